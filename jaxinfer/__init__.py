@@ -1,0 +1,1 @@
+from jaxinfer.config import ModelConfig, SamplingParams, RequestOutput, CompletionOutput, Logprob

@@ -1,0 +1,281 @@
+"""Frozen configuration records: the model's shape and a request's sampling parameters.
+
+Everything here is plain data, validated once in ``__post_init__`` with errors that name
+the offending field. Nothing below the CLI reads environment variables; they all take
+these records instead.
+
+Static vs runtime: every ``ModelConfig`` field changes compiled shapes or code (it is a
+static argument of the jitted step). ``SamplingParams`` never does: the sampler receives
+its values as per-row arrays, so any mix of requests shares one executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+# HF `architectures` names that the Llama-family model file serves (see models/registry.py).
+LLAMA_FAMILY = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary frequency scaling. Only ``llama3`` (Llama 3.1+) and ``linear`` are supported."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.rope_type in ("llama3", "linear", "default"), "rope_scaling.rope_type",
+                 f"unsupported rope scaling {self.rope_type!r} (supported: llama3, linear, default)")
+        _require(self.factor > 0, "rope_scaling.factor", f"must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer of the Llama family.
+
+    Names follow HF ``config.json`` where one exists; ``from_hf`` maps the rest.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False          # Qwen2: bias on q/k/v; Llama `attention_bias`: on q/k/v/o
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False           # Qwen3: RMSNorm over head_dim on q and k before rotary
+    sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads",
+                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                 f"num_key_value_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh"), "hidden_act",
+                 f"unsupported activation {self.hidden_act!r} (supported: silu, gelu, gelu_pytorch_tanh)")
+        _require(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
+                 f"must be a positive integer or null, got {self.sliding_window!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Build from an HF ``config.json`` dict; errors name the missing or bad field."""
+        archs = d.get("architectures") or []
+        _require(isinstance(archs, list) and len(archs) >= 1, "architectures",
+                 "config.json must list the model class, e.g. [\"LlamaForCausalLM\"]")
+        arch = archs[0]
+        if arch not in LLAMA_FAMILY:
+            raise ValueError(f"architectures: unsupported architecture {arch!r}; "
+                             f"supported: {', '.join(LLAMA_FAMILY)}")
+
+        def need(key: str) -> Any:
+            if key not in d or d[key] is None:
+                raise ValueError(f"{key}: missing from config.json (required for {arch})")
+            return d[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = d.get("head_dim") or hidden // num_heads
+        rs = d.get("rope_scaling") or None
+        if rs is None and isinstance(d.get("rope_parameters"), Mapping):
+            # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
+            rp = d["rope_parameters"]
+            if rp.get("rope_type", "default") != "default":
+                rs = rp
+        scaling = None
+        if rs:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype not in (None, "default"):
+                scaling = RopeScaling(
+                    rope_type=rtype,
+                    factor=float(rs.get("factor", 1.0)),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        rs.get("original_max_position_embeddings", 8192)),
+                )
+        theta = d.get("rope_theta")
+        if theta is None and isinstance(d.get("rope_parameters"), Mapping):
+            theta = d["rope_parameters"].get("rope_theta")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attn_bias = bool(d.get("attention_bias", False))
+        sliding = None
+        if arch == "MistralForCausalLM":
+            sliding = d.get("sliding_window")
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: Qwen sliding-window layers are not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attn_bias,
+            o_bias=attn_bias and not is_qwen2,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=str(d.get("hidden_act", "silu")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling parameters, named as in vLLM / the OpenAI API.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. Penalties follow vLLM: ``repetition_penalty`` (HF/CTRL style, divides positive
+    logits of every token seen in prompt or output) and OpenAI's ``presence_penalty`` /
+    ``frequency_penalty`` (subtracted, counting output tokens only). ``logprobs=k`` returns
+    the chosen token's log-probability and the k most likely alternatives, computed from
+    the model's raw distribution (before temperature and filters), as vLLM does.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        # Accept lists / single strings for convenience but store tuples (hashable, frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _num = (int, float)
+        _require(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+                 "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                 and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(isinstance(self.temperature, _num) and math.isfinite(self.temperature)
+                 and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _require(isinstance(self.top_p, _num) and 0 < self.top_p <= 1, "top_p",
+                 f"must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+                 and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _require(isinstance(self.min_p, _num) and 0 <= self.min_p <= 1, "min_p",
+                 f"must be in [0, 1], got {self.min_p!r}")
+        _require(isinstance(self.repetition_penalty, _num) and math.isfinite(self.repetition_penalty)
+                 and self.repetition_penalty > 0, "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _require(isinstance(v, _num) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+                 "seed", f"must be an integer or None, got {self.seed!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 f"must be non-empty strings, got {self.stop!r}")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 f"must be non-negative integers, got {self.stop_token_ids!r}")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int)
+                 and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
+                 f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One sampled position: the chosen token's log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` samples of a request (cumulative so far)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
+    stop_reason: str | int | None = None      # the stop string or token id that ended it
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What ``Engine.generate`` returns per prompt, and ``AsyncEngine`` yields as it grows."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:
+    return () if x is None else tuple(x)

@@ -267,6 +267,16 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (time.monotonic()) of a request's life, for serving metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What ``Engine.generate`` returns per prompt, and ``AsyncEngine`` yields as it grows."""
 
@@ -275,6 +285,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None
 
 
 def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:

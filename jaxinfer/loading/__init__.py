@@ -1,0 +1,105 @@
+"""Load a model from whatever the user points at: nothing (the embedded default), an HF
+checkpoint directory, a .gguf file, or a directory written by ``jaxinfer convert``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.llama import LlamaForCausalLM, params_from_flat, weight_specs
+from jaxinfer.models.registry import model_class
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any                      # jaxinfer.loading.tokenizer.Tokenizer
+    generation_config: dict[str, Any]
+    source: str                         # what was loaded, for logs and /v1/models
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unsupported {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
+    flat: dict[str, np.ndarray] = {}
+    for path, spec in weight_specs(cfg).items():
+        if spec.hf_name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
+        t = tensors[spec.hf_name]
+        want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
+        if tuple(t.shape) != want:
+            raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")
+        flat[path] = t.T if spec.transpose else t
+    return flat
+
+
+def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any) -> tuple[ModelConfig, Any]:
+    cfg = ModelConfig.from_hf(hf_config)
+    model_class(cfg.architecture)   # raises for unsupported architectures, naming them
+    return cfg, params_from_flat(cfg, hf_tensors_to_flat(cfg, tensors), dtype)
+
+
+def load_hf_dir(path: str, dtype: Any) -> LoadedModel:
+    from jaxinfer.loading.safetensors import load_safetensors, read_json
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    hf_config = read_json(os.path.join(path, "config.json"), "config.json")
+    ModelConfig.from_hf(hf_config)   # validate before reading weights
+    cfg, model = _build(hf_config, load_safetensors(path), dtype)
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
+    return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)
+
+
+def load_gguf_file(path: str, dtype: Any) -> LoadedModel:
+    from jaxinfer.loading.gguf import load_gguf
+
+    ck = load_gguf(path, dtype=np.float32)
+    cfg, model = _build(ck.config, ck.tensors, dtype)
+    return LoadedModel(cfg, model, ck.tokenizer, dict(ck.generation_config), path, dict(ck.config))
+
+
+def load_model(model: str | None = None, dtype: Any = "float32") -> LoadedModel:
+    """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir."""
+    from jaxinfer.loading.default import default_model_path
+    from jaxinfer.loading import checkpoint
+
+    t0 = time.perf_counter()
+    dtype = resolve_dtype(dtype)
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model: {path} does not exist (expected an HF checkpoint directory, "
+                                "a .gguf file or a directory written by `jaxinfer convert`)")
+    if os.path.isdir(path):
+        if checkpoint.is_converted(path):
+            loaded = checkpoint.restore(path, dtype)
+        elif os.path.exists(os.path.join(path, "config.json")):
+            loaded = load_hf_dir(path, dtype)
+        else:
+            raise ValueError(f"model: {path} is a directory without config.json "
+                             "(not an HF checkpoint nor a `jaxinfer convert` output)")
+    elif path.endswith(".gguf"):
+        loaded = load_gguf_file(path, dtype)
+    else:
+        raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
+    loaded.load_seconds = time.perf_counter() - t0
+    return loaded

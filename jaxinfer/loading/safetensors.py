@@ -1,0 +1,63 @@
+"""HF checkpoint directories: config.json + one or sharded *.safetensors (+ index).
+
+safetensors never unpickles, so a hostile file can at worst be rejected as corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+
+def read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {path} must hold a JSON object")
+    return data
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's shard files, in index order (or the single file)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"safetensors index: {index} has no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if os.path.basename(f) != f:
+                raise ValueError(f"safetensors index: shard name {f!r} must be a plain file name")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found "
+                                "(pickled .bin checkpoints are not loaded, by design)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def load_safetensors(model_dir: str, wanted: set[str] | None = None) -> dict[str, np.ndarray]:
+    """HF tensor name -> float32/bf16 numpy array, for every tensor (or only ``wanted``)."""
+    out: dict[str, np.ndarray] = {}
+    for path in safetensors_files(model_dir):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"safetensors shard {path} listed in the index does not exist")
+        try:
+            # framework="flax": numpy cannot represent bfloat16 checkpoints; np.asarray of
+            # the jax array gives an ml_dtypes bfloat16 numpy array.
+            with safe_open(path, framework="flax") as f:
+                for name in f.keys():
+                    if wanted is None or name in wanted:
+                        out[name] = np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
+    return out

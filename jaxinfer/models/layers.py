@@ -1,0 +1,69 @@
+"""Stateless building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP.
+
+Every function works on a flat (ragged) token axis T: a step's tokens from all sequences
+are concatenated, so prefill and decode are the same code with different batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D]: normalize in float32, scale in x's dtype (as HF's LlamaRMSNorm does)."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2] (float32), with llama3/linear scaling.
+
+    Computed in numpy at trace time: they are constants of the model, folded into the step.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv = inv.astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs is None or rs.rope_type == "default":
+        return inv
+    if rs.rope_type == "linear":
+        return (inv / np.float32(rs.factor)).astype(np.float32)
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    old = rs.original_max_position_embeddings
+    low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved form)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim]. Rotates pairs (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * c + rotated * s
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    return jax.nn.gelu(x, approximate=True)   # gelu_pytorch_tanh

@@ -1,0 +1,208 @@
+"""The Llama family in one file: Llama 1/2/3 (llama3 rope scaling), Mistral, Qwen2, Qwen3, SmolLM2.
+
+Differences between members are config flags (qkv bias, q/k norm, sliding window, tied
+embeddings), never separate code paths.
+
+Each weight is described once in ``weight_specs`` (shape, logical axes, HF name): the
+module's init, the checkpoint loaders and sharding all read that one table.
+
+The forward pass is written for a ragged batch: ``tokens`` / ``positions`` are a flat [T]
+axis holding every scheduled token of every sequence, and attention is a callback that
+owns the KV cache layout (contiguous for the reference generator, paged for the engine).
+That keeps one layer function for prefill, decode and any mix of the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import layers as L
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    """One weight: our shape (matmul weights are [in, out]), logical axes, HF source."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]   # logical axis names; sharding.py maps them to mesh axes
+    hf_name: str
+    transpose: bool = False        # HF/torch stores linear weights as [out, in]
+    init: str = "normal"           # "normal" | "ones" | "zeros" (random init for tests)
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Our parameter path ("layers.3.wq") -> its description."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    Hq, Hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    specs: dict[str, WeightSpec] = {
+        "embed": WeightSpec((V, D), ("vocab", "embed"), "model.embed_tokens.weight"),
+        "final_norm": WeightSpec((D,), (None,), "model.norm.weight", init="ones"),
+        # The head is always stored [D, V] so the logits matmul streams rows of a 2-D
+        # weight; for tied models the loader fills it with embed.T (one extra copy, but
+        # `x @ emb.T` on XLA:CPU streamed at a fraction of the speed).
+        "lm_head": WeightSpec((D, V), ("embed", "vocab"),
+                              "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
+                              transpose=True),
+    }
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}"
+        p = f"layers.{i}"
+        specs[f"{p}.attn_norm"] = WeightSpec((D,), (None,), f"{hf}.input_layernorm.weight", init="ones")
+        specs[f"{p}.wq"] = WeightSpec((D, Hq), ("embed", "q_heads"), f"{hf}.self_attn.q_proj.weight", True)
+        specs[f"{p}.wk"] = WeightSpec((D, Hkv), ("embed", "kv_heads"), f"{hf}.self_attn.k_proj.weight", True)
+        specs[f"{p}.wv"] = WeightSpec((D, Hkv), ("embed", "kv_heads"), f"{hf}.self_attn.v_proj.weight", True)
+        specs[f"{p}.wo"] = WeightSpec((Hq, D), ("q_heads", "embed"), f"{hf}.self_attn.o_proj.weight", True)
+        if cfg.qkv_bias:
+            specs[f"{p}.bq"] = WeightSpec((Hq,), ("q_heads",), f"{hf}.self_attn.q_proj.bias", init="zeros")
+            specs[f"{p}.bk"] = WeightSpec((Hkv,), ("kv_heads",), f"{hf}.self_attn.k_proj.bias", init="zeros")
+            specs[f"{p}.bv"] = WeightSpec((Hkv,), ("kv_heads",), f"{hf}.self_attn.v_proj.bias", init="zeros")
+        if cfg.o_bias:
+            specs[f"{p}.bo"] = WeightSpec((D,), (None,), f"{hf}.self_attn.o_proj.bias", init="zeros")
+        if cfg.qk_norm:
+            specs[f"{p}.q_norm"] = WeightSpec((cfg.head_dim,), (None,), f"{hf}.self_attn.q_norm.weight", init="ones")
+            specs[f"{p}.k_norm"] = WeightSpec((cfg.head_dim,), (None,), f"{hf}.self_attn.k_norm.weight", init="ones")
+        specs[f"{p}.mlp_norm"] = WeightSpec((D,), (None,), f"{hf}.post_attention_layernorm.weight", init="ones")
+        specs[f"{p}.w_gate"] = WeightSpec((D, F), ("embed", "mlp"), f"{hf}.mlp.gate_proj.weight", True)
+        specs[f"{p}.w_up"] = WeightSpec((D, F), ("embed", "mlp"), f"{hf}.mlp.up_proj.weight", True)
+        specs[f"{p}.w_down"] = WeightSpec((F, D), ("mlp", "embed"), f"{hf}.mlp.down_proj.weight", True)
+        if cfg.mlp_bias:
+            specs[f"{p}.b_gate"] = WeightSpec((F,), ("mlp",), f"{hf}.mlp.gate_proj.bias", init="zeros")
+            specs[f"{p}.b_up"] = WeightSpec((F,), ("mlp",), f"{hf}.mlp.up_proj.bias", init="zeros")
+            specs[f"{p}.b_down"] = WeightSpec((D,), (None,), f"{hf}.mlp.down_proj.bias", init="zeros")
+    return specs
+
+
+class AttentionFn(Protocol):
+    """Attention over a layer's KV cache; the cache layout is the callee's business.
+
+    q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (rotary applied) ->
+    (out [T, num_heads, head_dim], the layer's updated cache).
+    """
+
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                 cache: Any) -> tuple[jax.Array, Any]: ...
+
+
+def _init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, dtype)
+    if spec.init == "zeros":
+        return jnp.zeros(spec.shape, dtype)
+    return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + gated MLP. Attributes are named after ``weight_specs`` paths."""
+
+    def __init__(self, cfg: ModelConfig, index: int, specs: dict[str, WeightSpec],
+                 dtype: Any, rngs: nnx.Rngs):
+        prefix = f"layers.{index}."
+        for path, spec in specs.items():
+            if path.startswith(prefix):
+                setattr(self, path[len(prefix):], nnx.Param(_init_value(spec, rngs.params(), dtype)))
+        self.cfg = cfg
+        self.index = index
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 attn: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+        cfg = self.cfg
+        T = x.shape[0]
+        with jax.named_scope("attention"):
+            h = L.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)          # [T, D]
+            q = h @ self.wq[...]                                              # [T, Hq*hd]
+            k = h @ self.wk[...]                                              # [T, Hkv*hd]
+            v = h @ self.wv[...]
+            if cfg.qkv_bias:
+                q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = L.rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+                k = L.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+            o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
+            o = o.reshape(T, cfg.num_heads * cfg.head_dim) @ self.wo[...]     # [T, D]
+            if cfg.o_bias:
+                o = o + self.bo[...]
+            x = x + o
+        with jax.named_scope("mlp"):
+            h = L.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+            g, u = h @ self.w_gate[...], h @ self.w_up[...]                   # [T, F]
+            if cfg.mlp_bias:
+                g, u = g + self.b_gate[...], u + self.b_up[...]
+            y = (L.activation(cfg.hidden_act, g) * u) @ self.w_down[...]      # [T, D]
+            if cfg.mlp_bias:
+                y = y + self.b_down[...]
+            x = x + y
+        return x, cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+        specs = weight_specs(cfg)
+        for name in ("embed", "final_norm", "lm_head"):
+            setattr(self, name, nnx.Param(_init_value(specs[name], rngs.params(), dtype)))
+        self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype, rngs) for i in range(cfg.num_layers)])
+        self.cfg = cfg
+        self.dtype = dtype
+        self.inv_freq = L.rope_inv_freq(cfg)   # numpy constant, not a parameter
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
+                 attn: AttentionFn, logits_index: jax.Array | None = None
+                 ) -> tuple[jax.Array, list[Any]]:
+        """tokens, positions i32[T]; logits_index i32[S] picks the rows whose logits are
+        needed (prompt positions that are not sampled cost no LM-head matmul).
+        Returns (logits f32[S or T, V], updated per-layer caches)."""
+        x = self.embed[...][tokens]                                           # [T, D]
+        cos, sin = L.rope_cos_sin(positions, self.inv_freq)
+        new_cache = []
+        for layer, c in zip(self.layers, kv_cache):
+            x, c = layer(x, cos, sin, attn, c)
+            new_cache.append(c)
+        if logits_index is not None:
+            x = x[logits_index]                                               # [S, D]
+        x = L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+        logits = (x @ self.lm_head[...]).astype(jnp.float32)                  # [S, V]
+        return logits, new_cache
+
+
+def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32
+                     ) -> LlamaForCausalLM:
+    """Build the module with every weight taken from ``flat`` (our paths -> arrays).
+
+    The module is created abstractly (no random init is materialized), then filled.
+    """
+    specs = weight_specs(cfg)
+    missing = [p for p in specs if p not in flat]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. "
+                         f"{specs[missing[0]].hf_name!r} (for {missing[0]})")
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
+    for path, spec in specs.items():
+        arr = flat[path]
+        if tuple(arr.shape) != spec.shape:
+            raise ValueError(f"weight {spec.hf_name!r} has shape {tuple(arr.shape)}, "
+                             f"expected {spec.shape} (ours {path})")
+        _get_param(model, path).set_value(jnp.asarray(arr, dtype=dtype))
+    return model
+
+
+def _get_param(model: nnx.Module, path: str) -> nnx.Param:
+    obj: Any = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def flat_params(model: LlamaForCausalLM) -> dict[str, jax.Array]:
+    """Our paths -> arrays (for saving and inspection)."""
+    return {path: _get_param(model, path)[...] for path in weight_specs(model.cfg)}

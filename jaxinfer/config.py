@@ -290,3 +290,49 @@ class RequestOutput:
 
 def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:
     return () if x is None else tuple(x)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs a model: KV cache size, batching limits, buckets, mesh.
+
+    Static (changes compiled shapes): page_size, num_pages, max_num_seqs, the bucket
+    ladders (derived from the limits unless given), dtype, tensor/data parallel sizes.
+    Everything else is host-side policy.
+    """
+
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_cache_memory: int | None = None       # bytes for K and V pages, all layers
+    num_pages: int | None = None             # overrides kv_cache_memory (tests)
+    max_num_seqs: int = 64                   # sequences in one step
+    max_num_batched_tokens: int = 512        # tokens in one step (chunked prefill budget)
+    max_model_len: int | None = None         # prompt + output; default min(model's, 4096)
+    max_waiting: int | None = 4096           # waiting sequences before QueueFullError
+    enable_prefix_caching: bool = False
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    seed: int = 0                            # base of per-request seeds when none is given
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    decode_buckets: tuple[int, ...] | None = None
+    mixed_decode_buckets: tuple[int, ...] | None = None
+    prefill_buckets: tuple[tuple[int, int], ...] | None = None   # (num_prefill, chunk)
+    page_buckets: tuple[int, ...] | None = None
+
+    DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16"), "dtype",
+                 f"must be float32 or bfloat16, got {self.dtype!r}")
+        _require(self.page_size in (8, 16, 32, 64, 128), "page_size",
+                 f"must be one of 8, 16, 32, 64, 128, got {self.page_size!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
+        for name in ("kv_cache_memory", "num_pages", "max_model_len", "max_waiting"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, int) and v >= 1), name,
+                     f"must be a positive integer or None, got {v!r}")
+        _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
+                 "must be >= 2 (page 0 is the padding sink)")

@@ -154,7 +154,6 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype, rngs) for i in range(cfg.num_layers)])
         self.cfg = cfg
         self.dtype = dtype
-        self.inv_freq = L.rope_inv_freq(cfg)   # numpy constant, not a parameter
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
                  attn: AttentionFn, logits_index: jax.Array | None = None
@@ -163,7 +162,8 @@ class LlamaForCausalLM(nnx.Module):
         needed (prompt positions that are not sampled cost no LM-head matmul).
         Returns (logits f32[S or T, V], updated per-layer caches)."""
         x = self.embed[...][tokens]                                           # [T, D]
-        cos, sin = L.rope_cos_sin(positions, self.inv_freq)
+        # inv_freq is a numpy constant computed at trace time (not a parameter)
+        cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
         new_cache = []
         for layer, c in zip(self.layers, kv_cache):
             x, c = layer(x, cos, sin, attn, c)

@@ -1,0 +1,38 @@
+"""Attention over a contiguous per-row KV cache: the reference generator's layout.
+
+Deliberately plain (dense scores, masks as selects): it is the oracle the paged path is
+compared with, not a fast path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def contiguous_attention(positions: jax.Array, batch: int, seq: int, scale: float,
+                         window: int | None):
+    """AttentionFn over caches (k, v) of [B, M, KVH, D]; tokens are [B*seq] row-major and
+    ``positions`` i32[B, seq] are their absolute positions (where their K/V are written)."""
+
+    def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any):
+        kc, vc = cache
+        B, M, KVH, D = kc.shape
+        H = q.shape[1]
+        rows = jnp.arange(batch)[:, None]
+        kc = kc.at[rows, positions].set(k.reshape(batch, seq, KVH, D).astype(kc.dtype))
+        vc = vc.at[rows, positions].set(v.reshape(batch, seq, KVH, D).astype(vc.dtype))
+        q5 = q.reshape(batch, seq, KVH, H // KVH, D)
+        s = jnp.einsum("bskgd,bmkd->bkgsm", q5, kc, preferred_element_type=jnp.float32) * scale
+        kv_pos = jnp.arange(M)[None, None, :]
+        mask = kv_pos <= positions[:, :, None]                                # [B, seq, M]
+        if window is not None:
+            mask &= kv_pos > positions[:, :, None] - window
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bkgsm,bmkd->bskgd", p.astype(vc.dtype), vc)
+        return o.reshape(batch * seq, H, D).astype(q.dtype), (kc, vc)
+
+    return attn

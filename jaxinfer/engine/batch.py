@@ -1,0 +1,201 @@
+"""The batch builder: the ONLY place that pads. A scheduled step -> fixed-shape numpy arrays.
+
+Layout of a step (what the compiled step and the attention expect):
+
+* ``num_decode`` decode slots first: one query token each (token i belongs to slot i). Any
+  sequence with exactly one token to compute goes here, whether it is decoding or ends a
+  prefill with a 1-token chunk.
+* then ``num_prefill`` prefill slots of ``prefill_chunk`` token positions each: slot j owns
+  tokens ``[num_decode + j*prefill_chunk, num_decode + (j+1)*prefill_chunk)`` and uses the
+  first ``q_len`` of them.
+* ``max_pages`` page-table columns per slot.
+
+A ``Bucket`` is those four numbers; each bucket is one ahead-of-time compiled executable.
+Host only: numpy, no jax (the batch is built while the device may still be busy).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from jaxinfer.engine.scheduler import ScheduledSeq
+
+PAD_ROW = 0   # penalty-state row of padding slots (a sink, like KV page 0)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Bucket:
+    num_tokens: int           # = num_decode + num_prefill * prefill_chunk (sort key first)
+    max_pages: int
+    num_decode: int
+    num_prefill: int
+    prefill_chunk: int
+
+    @classmethod
+    def of(cls, num_decode: int, num_prefill: int, prefill_chunk: int, max_pages: int) -> "Bucket":
+        return cls(num_decode + num_prefill * prefill_chunk, max_pages, num_decode,
+                   num_prefill, prefill_chunk)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decode + self.num_prefill
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLadders:
+    """Sorted ladders; every combination below is compiled at start-up.
+
+    ``decode_sizes`` serve decode-only steps; ``mixed_decode_sizes`` (coarser, 0 included)
+    serve steps that also carry prefill chunks, whose cost the prefill dominates.
+    ``prefill_shapes`` are (num_prefill, prefill_chunk) pairs; a step with one prefill
+    sequence may use a chunk up to the largest single-slot chunk, several share the
+    multi-slot shapes.
+    """
+
+    decode_sizes: tuple[int, ...]
+    mixed_decode_sizes: tuple[int, ...]
+    prefill_shapes: tuple[tuple[int, int], ...]
+    page_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("decode_sizes", "mixed_decode_sizes", "prefill_shapes", "page_sizes"):
+            v = getattr(self, name)
+            if not v or list(v) != sorted(set(v)):
+                raise ValueError(f"{name}: must be a non-empty sorted ladder without repeats, got {v!r}")
+
+    def all_buckets(self) -> list[Bucket]:
+        out = {Bucket.of(d, 0, 0, p) for d, p in itertools.product(self.decode_sizes, self.page_sizes)
+               if d > 0}
+        out |= {Bucket.of(d, n, c, p) for d, (n, c), p in
+                itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)}
+        return sorted(out)
+
+    @property
+    def max_single_chunk(self) -> int:
+        return max(c for n, c in self.prefill_shapes)
+
+    @property
+    def max_multi(self) -> tuple[int, int]:
+        """(most prefill slots in one step, the chunk limit when there are several)."""
+        multi = [(n, c) for n, c in self.prefill_shapes if n > 1]
+        return max(multi) if multi else (1, self.max_single_chunk)
+
+    def choose(self, num_decode: int, chunks: Seq[int], max_pages: int) -> Bucket:
+        """The cheapest bucket holding the step, or ValueError (a scheduler bug)."""
+        pages = _ceil_in(self.page_sizes, max_pages, "pages per sequence")
+        if not chunks:
+            if num_decode <= self.decode_sizes[-1]:
+                return Bucket.of(_ceil_in(self.decode_sizes, num_decode, "decode slots"), 0, 0, pages)
+        best = None
+        for n, c in self.prefill_shapes:
+            if n >= len(chunks) and c >= max(chunks, default=0):
+                if best is None or n * c < best[0] * best[1]:
+                    best = (n, c)
+        if best is None:
+            raise ValueError(f"no bucket holds {len(chunks)} prefill chunks of up to {max(chunks)} tokens")
+        d = _ceil_in(self.mixed_decode_sizes, num_decode, "decode slots")
+        return Bucket.of(d, best[0], best[1], pages)
+
+
+def _ceil_in(ladder: Seq[int], n: int, what: str) -> int:
+    for v in ladder:
+        if v >= n:
+            return v
+    raise ValueError(f"{what}: {n} exceeds the largest bucket ({ladder[-1]})")
+
+
+def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
+                    max_num_batched_tokens: int) -> BucketLadders:
+    """Powers of two for decode up to max_num_seqs; a coarser ladder when prefill rides
+    along; single-slot chunks of 32/128/up-to-budget and a 4-slot shape for short prompts;
+    two page-table widths (short contexts pay for short gathers)."""
+    decode = sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
+    mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
+    big = max(32, min(512, max_num_batched_tokens))
+    single = sorted({c for c in (32, 128, big) if c <= big})
+    shapes = [(1, c) for c in single]
+    if max_num_seqs >= 4 and big >= 128:
+        shapes.append((4, 32))
+    full = -(-max_model_len // page_size)
+    short = min(full, max(1, 512 // page_size))
+    return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)),
+                         tuple(sorted({short, full})))
+
+
+@dataclass
+class StepBatch:
+    """Fixed-shape host arrays of one step plus the map back to sequences."""
+
+    bucket: Bucket
+    tokens: np.ndarray          # i32[T]
+    positions: np.ndarray       # i32[T]
+    slot_mapping: np.ndarray    # i32[T]  page * page_size + offset (padding -> page 0)
+    kv_lens: np.ndarray         # i32[S]  KV length after this step's tokens are written
+    q_lens: np.ndarray          # i32[S]
+    page_table: np.ndarray      # i32[S, P]
+    logits_index: np.ndarray    # i32[S]  each slot's last token in the flat T axis
+    rows: np.ndarray            # i32[S]  penalty-state row of each slot (PAD_ROW for padding)
+    reset_rows: np.ndarray      # bool[S] the slot starts a (re)computation: clear its row
+    token_rows: np.ndarray      # i32[T]  penalty-state row of each token
+    token_is_output: np.ndarray  # bool[T] token is a generated one (else prompt / padding)
+    entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
+
+
+def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
+               rows_of: dict[int, int]) -> StepBatch:
+    """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence."""
+    decodes = [e for e in scheduled if e.num_new_tokens == 1]
+    prefills = [e for e in scheduled if e.num_new_tokens > 1]
+    max_pages = max(-(-(e.start_pos + e.num_new_tokens) // page_size) for e in scheduled)
+    b = ladders.choose(len(decodes), [e.num_new_tokens for e in prefills], max_pages)
+    T, S, P = b.num_tokens, b.num_seqs, b.max_pages
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32) + np.arange(T, dtype=np.int32) % page_size
+    token_rows = np.zeros(T, np.int32)
+    token_is_output = np.zeros(T, bool)
+    kv_lens = np.zeros(S, np.int32)
+    q_lens = np.zeros(S, np.int32)
+    page_table = np.zeros((S, P), np.int32)
+    logits_index = np.zeros(S, np.int32)
+    rows = np.full(S, PAD_ROW, np.int32)
+    reset_rows = np.zeros(S, bool)
+    entries: list[tuple[int, ScheduledSeq]] = []
+
+    def place(slot: int, first_token: int, e: ScheduledSeq) -> None:
+        seq, n, start = e.seq, e.num_new_tokens, e.start_pos
+        end = start + n
+        sl = slice(first_token, first_token + n)
+        tokens[sl] = seq.token_ids_slice(start, end)
+        pos = np.arange(start, end, dtype=np.int32)
+        positions[sl] = pos
+        pages = np.asarray(seq.page_ids, np.int32)
+        slot_mapping[sl] = pages[pos // page_size] * page_size + pos % page_size
+        row = rows_of[seq.seq_id]
+        token_rows[sl] = row
+        token_is_output[sl] = pos >= seq.num_prompt_tokens
+        kv_lens[slot], q_lens[slot] = end, n
+        npg = -(-end // page_size)
+        page_table[slot, :npg] = pages[:npg]
+        logits_index[slot] = first_token + n - 1
+        rows[slot] = row
+        reset_rows[slot] = start == 0
+        entries.append((slot, e))
+
+    for i, e in enumerate(decodes):
+        place(i, i, e)
+    for j, e in enumerate(prefills):
+        place(b.num_decode + j, b.num_decode + j * b.prefill_chunk, e)
+    return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
+                     logits_index, rows, reset_rows, token_rows, token_is_output, entries)
+
+
+def as_device_args(batch: StepBatch) -> dict[str, Any]:
+    """The arrays the compiled step takes (names match the step's signature)."""
+    return {k: getattr(batch, k) for k in ("tokens", "positions", "slot_mapping", "kv_lens",
+                                           "q_lens", "page_table", "logits_index", "rows",
+                                           "reset_rows", "token_rows", "token_is_output")}

@@ -1,0 +1,165 @@
+"""``jaxinfer`` command line: generate, convert, serve.
+
+Config is read here once (flags -> EngineConfig / SamplingParams); nothing below the CLI
+reads environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, .gguf file or `jaxinfer convert` output "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    p.add_argument("--max-waiting", type=int, default=4096, help="waiting sequences before 503")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
+                   help="JAX persistent compilation cache dir ('' to disable)")
+
+
+def engine_config(args: argparse.Namespace, default_max_seqs: int):
+    from jaxinfer.config import EngineConfig
+
+    return EngineConfig(
+        dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs or default_max_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
+        compilation_cache_dir=args.compilation_cache or None)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from jaxinfer.config import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfer.engine.engine import Engine
+
+    params = sampling_params(args)
+    prompt: Any = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("prompt: empty (pass it as an argument or on stdin)")
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    t0 = time.perf_counter()
+    print("loading model and compiling buckets ...", file=sys.stderr)
+    engine = Engine(args.model, config=engine_config(args, default_max_seqs=1), progress=True)
+    print(f"ready in {time.perf_counter() - t0:.1f}s (load {engine.loaded.load_seconds:.1f}s, "
+          f"compile {engine.compile_seconds:.1f}s)", file=sys.stderr)
+    rid = engine.add_request(prompt, params)
+    printed = 0
+    t1 = time.perf_counter()
+    final = None
+    while final is None:
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            if out.finished and out.request_id == rid:
+                final = out
+    dt = time.perf_counter() - t1
+    n = len(final.outputs[0].token_ids)
+    sys.stdout.write("\n")
+    print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxinfer.loading import checkpoint, load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.dtype)
+    out = checkpoint.save(loaded, args.output)
+    print(f"converted {loaded.source} -> {out} in {time.perf_counter() - t0:.1f}s "
+          f"(load it with --model {out})")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.server import serve_main
+
+    return serve_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a checkpoint to an orbax dir (fast restarts)")
+    add_model_args(c)
+    c.add_argument("--output", required=True, help="output directory")
+    c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    try:
+        from serving.server import add_serve_args
+        add_serve_args(s)
+    except ImportError:   # serving extras missing: the subcommand explains at run time
+        pass
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

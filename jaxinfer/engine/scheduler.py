@@ -1,0 +1,339 @@
+"""Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
+
+Host only: plain Python, no jax. One token model for everything (vLLM v1 style): each
+sequence needs ``num_tokens - num_computed_tokens`` tokens computed; a step gives each
+scheduled sequence a contiguous chunk of them. A prompt is a long chunk (cut to the token
+budget: chunked prefill), a decode is a chunk of 1, a resumed preempted sequence
+recomputes prompt + outputs the same way. After the step, the engine calls
+``postprocess`` (advance ``num_computed_tokens``, append sampled tokens), decides stops
+itself, and calls ``finish``.
+
+``schedule()``:
+
+1. Running sequences, decodes (1 token needed) first, then unfinished prefill chunks, each
+   in running order (priority, then arrival). Each gets ``min(needed, budget left)``
+   tokens and the pages they need. Decodes go first so that a long prefill chunk never
+   stalls the decodes behind it (inter-token latency).
+   If pages run out, preempt by recompute the last running sequence (lowest priority,
+   newest arrival): free its pages, ``num_computed_tokens = 0``, back into the waiting
+   queue at its own (priority, arrival) position (ahead of every newer request), keeping
+   its output tokens, so resuming recomputes prompt + outputs and samples the next token:
+   no token is lost or duplicated. A victim already scheduled this step is unscheduled
+   and its tokens go back to the budget. If the sequence that needs pages is itself the
+   last, it is the one preempted.
+2. If nothing was preempted (pages are tight otherwise), admit waiting sequences in
+   (priority, arrival) order while ``max_num_seqs``, the token budget and the pages
+   allow; the first chunk may be partial. When the head of the queue does not fit,
+   admission stops: later, smaller requests never overtake it, so nothing starves.
+
+Sampling several completions (``n > 1``): the request becomes ``n`` sequences (see
+``sequence.make_sequences``) added together. Their full prompt pages are computed once:
+while one sibling is still prefilling that part, the others wait (they are skipped by
+admission, which is not starvation: they become admissible as soon as it is done); then
+each is admitted with the computed sibling's full prompt pages shared by reference
+(``BlockManager.allocate_for(prefix_pages=...)``, refcount + 1) and computes only the
+prompt's last partial page, at least one token (so it produces its own logits), and
+from there samples its own tokens into its own pages. Full pages are never written again,
+so sharing them is safe; partial pages are never shared. With prefix caching enabled a
+cache hit is used instead when it is longer.
+
+Requests that can never run are refused by ``add`` with ValueError: a prompt longer than
+``max_model_len``, or a sequence whose worst-case length (prompt + max_tokens - 1 tokens
+of KV, capped at ``max_model_len``) needs more pages than the whole cache has (it would
+preempt itself forever). The engine must finish a sequence (reason "length") once it has
+``max_tokens`` outputs or ``max_model_len`` tokens; scheduling past ``max_model_len``
+raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
+# Raised by ``Scheduler.add`` when the waiting queue already holds ``max_waiting``
+# sequences (a request with ``n`` samples needs ``n`` places). Transient: retry later (the
+# server answers 503). Sequences put back by preemption are never refused. Re-exported
+# here; it lives in jaxinfer.errors so the server can catch it without importing us.
+from jaxinfer.errors import QueueFullError
+
+__all__ = ["QueueFullError", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
+_RUNNING, _WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+_PREEMPTED, _FINISHED = SequenceStatus.PREEMPTED, SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens ``[start_pos, start_pos + num_new_tokens)``.
+
+    ``samples`` is True iff this chunk reaches the sequence's last token, so the step
+    produces the next token for it (False for all but the last chunk of a prefill).
+    """
+
+    seq: Sequence
+    start_pos: int
+    num_new_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)   # running first, then admitted
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, max_waiting: int | None = None) -> None:
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if max_waiting is not None and not (isinstance(max_waiting, int) and max_waiting >= 1):
+            raise ValueError(f"max_waiting: must be a positive integer or None, got {max_waiting!r}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        # Both queues are kept sorted by _key: (priority, arrival_time, order of add).
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._requests: dict[str, list[Sequence]] = {}     # unfinished requests' sequences
+        self._keys: dict[int, tuple[int, float, int]] = {}
+        self._num_added = 0
+        self.num_preemptions_total = 0
+        self.num_cached_tokens_total = 0     # admitted tokens found in the cache (not recomputed)
+        self.num_admitted_tokens_total = 0   # tokens to compute at admission, cached included
+
+    # ---- stats --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def page_usage(self) -> float:
+        return self.bm.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions_total": self.num_preemptions_total,
+            "page_usage": self.page_usage,
+            "num_free_pages": self.bm.num_free_pages,
+            "num_cached_tokens_total": self.num_cached_tokens_total,
+            "num_admitted_tokens_total": self.num_admitted_tokens_total,
+        }
+
+    # ---- requests in and out ------------------------------------------------------
+    def add(self, seqs: Sequence | Iterable[Sequence]) -> None:
+        """Queue the sequences of one request (all ``n`` samples together).
+
+        Raises ValueError for a request that can never run (see the module doc) or is
+        malformed, and QueueFullError when the waiting queue has no room for it.
+        """
+        group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        self._validate(group)
+        if self.max_waiting is not None and len(self.waiting) + len(group) > self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({len(self.waiting)} of {self.max_waiting} "
+                                 f"places taken, request {group[0].request_id!r} needs {len(group)})")
+        self._requests[group[0].request_id] = group
+        for seq in group:
+            self._keys[seq.seq_id] = (seq.priority, seq.arrival_time, self._num_added)
+            self._num_added += 1
+            bisect.insort(self.waiting, seq, key=self._key)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request now ("abort"), freeing its pages.
+
+        Returns the sequences aborted ([] for an unknown or finished request). Safe between
+        ``schedule`` and ``postprocess``: ``postprocess`` skips finished sequences.
+        """
+        group = self._requests.get(request_id, [])
+        aborted = [s for s in group if s.status is not _FINISHED]
+        for seq in aborted:
+            self.finish(seq, "abort")
+        return aborted
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark ``seq`` finished (engine: "stop" / "length"; abort: "abort") and free its pages."""
+        if seq.status is _FINISHED:
+            return
+        queue = self.running if seq.status is _RUNNING else self.waiting
+        queue.remove(seq)
+        self.bm.free(seq)
+        seq.status = _FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self._keys.pop(seq.seq_id, None)
+        group = self._requests.get(seq.request_id)
+        if group is not None and all(s.status is _FINISHED for s in group):
+            del self._requests[seq.request_id]
+
+    # ---- the step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chosen: dict[int, ScheduledSeq] = {}          # seq_id -> entry, in schedule order
+        preempted: list[Sequence] = []
+
+        decodes = [s for s in self.running if s.num_new_tokens_needed == 1]
+        prefills = [s for s in self.running if s.num_new_tokens_needed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not _RUNNING:            # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_new_tokens_needed, budget)
+            target = seq.num_computed_tokens + num_new
+            self._check_len(seq, target)
+            while not self.bm.allocate_for(seq, target):
+                victim = self.running[-1]
+                undone = chosen.pop(victim.seq_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                chosen[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, num_new,
+                                                  target == seq.num_tokens)
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit(budget, chosen)
+
+        scheduled = list(chosen.values())
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a finished step: advance ``num_computed_tokens`` of every scheduled
+        sequence and append the sampled token (``sampled[seq_id]``) of every one whose
+        entry ``samples``. Entries of sequences aborted meanwhile are skipped; tokens
+        sampled for non-sampling entries (mid-prefill rows) are ignored.
+
+        Returns the sequences that received a token, in schedule order; the engine then
+        checks stops on them and calls ``finish``.
+        """
+        grew: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is _FINISHED:
+                continue
+            if seq.num_computed_tokens != entry.start_pos or seq.status is not _RUNNING:
+                raise RuntimeError(f"postprocess: {seq!r} does not match its scheduled entry "
+                                   f"(start_pos {entry.start_pos}); was this output already processed?")
+            seq.num_computed_tokens += entry.num_new_tokens
+            if entry.samples:
+                try:
+                    seq.append_token(int(sampled[seq.seq_id]))
+                except KeyError:
+                    raise KeyError(f"postprocess: no sampled token for seq_id {seq.seq_id}, "
+                                   f"whose entry samples") from None
+                grew.append(seq)
+            self.bm.cache_computed(seq)
+        return grew
+
+    # ---- internals ----------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[int, float, int]:
+        return self._keys[seq.seq_id]
+
+    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq]) -> int:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            prefix = self._prefix_for(seq)
+            if prefix is None:                        # a sibling is computing our prompt pages
+                i += 1
+                continue
+            cached = len(prefix) * self.bm.page_size
+            num_new = min(seq.num_tokens - cached, budget)
+            target = cached + num_new
+            self._check_len(seq, target)
+            if not self.bm.allocate_for(seq, target, prefix_pages=prefix):
+                break                                 # FCFS: nobody overtakes the head
+            self.waiting.pop(i)
+            seq.status = _RUNNING
+            seq.num_computed_tokens = cached
+            seq.num_cached_tokens = cached
+            self.num_cached_tokens_total += cached
+            self.num_admitted_tokens_total += seq.num_tokens
+            bisect.insort(self.running, seq, key=self._key)
+            chosen[seq.seq_id] = ScheduledSeq(seq, cached, num_new, target == seq.num_tokens)
+            budget -= num_new
+        return budget
+
+    def _prefix_for(self, seq: Sequence) -> list[int] | None:
+        """Computed pages ``seq`` can start from, or None if it should wait for a sibling."""
+        cache_hit = self.bm.lookup_prefix(seq)
+        group = self._requests[seq.request_id]
+        # Full pages of the prompt, leaving >= 1 token to compute.
+        k = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.bm.page_size
+        if len(group) == 1 or k == 0 or len(cache_hit) >= k:
+            return cache_hit
+        busy = False
+        for sib in group:
+            if sib is seq or sib.status is not _RUNNING:
+                continue
+            if sib.num_computed_tokens >= k * self.bm.page_size:
+                return sib.page_ids[:k]
+            busy = True
+        return None if busy else cache_hit
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = _PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def _check_len(self, seq: Sequence, target: int) -> None:
+        if target > self.max_model_len:
+            raise RuntimeError(f"{seq!r} would hold {target} tokens > max_model_len={self.max_model_len}; "
+                               f"the engine must finish sequences that reach max_model_len")
+
+    def _validate(self, group: list[Sequence]) -> None:
+        if not group:
+            raise ValueError("add: no sequences given")
+        first = group[0]
+        rid = first.request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already queued or running")
+        if self.max_waiting is not None and len(group) > self.max_waiting:
+            raise ValueError(f"request {rid!r} has {len(group)} samples but max_waiting is {self.max_waiting}")
+        for seq in group:
+            if seq.request_id != rid or seq.prompt_token_ids != first.prompt_token_ids:
+                raise ValueError(f"add: sequences of one call must share request_id and prompt ({seq!r})")
+            if seq.status is not _WAITING or seq.page_ids or seq.num_computed_tokens or seq.output_token_ids:
+                raise ValueError(f"add: {seq!r} is not a fresh sequence")
+        n_prompt = first.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if n_prompt > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt has {n_prompt} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        worst = min(n_prompt + first.params.max_tokens - 1, self.max_model_len)
+        need = self.bm.pages_for(worst)
+        if need > self.bm.num_usable_pages:
+            raise ValueError(
+                f"request {rid!r}: prompt ({n_prompt} tokens) + max_tokens ({first.params.max_tokens}) "
+                f"needs up to {worst} tokens of KV = {need} pages of {self.bm.page_size}, but the whole "
+                f"KV cache has {self.bm.num_usable_pages} pages; lower max_tokens or enlarge the cache")

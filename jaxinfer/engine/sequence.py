@@ -1,0 +1,117 @@
+"""One sample of one request, as the scheduler and block manager see it.
+
+Host only: plain Python, no jax. A request with ``params.n == k`` becomes ``k``
+``Sequence`` objects that share ``request_id`` and the prompt and differ in
+``sample_index`` (0..k-1); see ``make_sequences``.
+
+Token model (vLLM v1 style, no prefill/decode distinction): a sequence is its prompt
+plus the tokens sampled so far. ``num_computed_tokens`` of them have their KV in the
+cache; the next step must compute ``num_new_tokens_needed`` more (the whole prompt at
+first, then 1 per decode step, or prompt+outputs again after a preemption).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from jaxinfer.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"        # never admitted yet
+    RUNNING = "running"        # holds pages, gets scheduled
+    PREEMPTED = "preempted"    # was running, pages freed, back in the waiting queue
+    FINISHED = "finished"      # stopped, length, or aborted; holds no pages
+
+
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    """A process-wide unique sequence id (``itertools.count`` is atomic under the GIL)."""
+    return next(_seq_ids)
+
+
+# Sequences compare by identity (eq=False): two samples with equal tokens are still two.
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_index: int = 0
+    priority: int = 0                          # lower runs first; FCFS within a priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0               # tokens whose KV is in the cache
+    page_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None           # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None       # the stop string / token id that ended it
+    num_preemptions: int = 0
+    # Tokens found in the KV cache at the last admission (shared from a sibling or a
+    # prefix-cache hit), for stats: they were not recomputed.
+    num_cached_tokens: int = 0
+    # Chain hashes of this sequence's full pages (block manager, prefix caching). Tokens
+    # are append-only, so a full page's hash never changes, even across preemptions.
+    page_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + outputs (a new list; use ``token_ids_slice`` for a window)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_new_tokens_needed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:  # the default would print every token
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.sample_index}, "
+                f"{self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"pages={len(self.page_ids)})")
+
+
+def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                   priority: int = 0, arrival_time: float | None = None) -> list[Sequence]:
+    """The ``params.n`` sequences of one request (prompt list shared read-only)."""
+    t = time.monotonic() if arrival_time is None else arrival_time
+    prompt = list(prompt_token_ids)
+    return [Sequence(seq_id=next_seq_id(), request_id=request_id, prompt_token_ids=prompt,
+                     params=params, sample_index=i, priority=priority, arrival_time=t)
+            for i in range(params.n)]

@@ -1,0 +1,423 @@
+"""Scheduler: budgets, chunked prefill, preemption, abort, ordering, n>1 sharing (host only).
+
+The fake model below keeps a real paged "KV cache" (each slot stores the token and
+position written there) and, before sampling, reads a sequence's whole context back
+through its page table. So a wrong position, a page written by two sequences, a freed
+page reused too early, or a shared/cached page that doesn't hold what it should, all
+show up as a context mismatch. Its next token depends only on (request, sample index,
+output index), so the expected outputs are known whatever the scheduling was.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from jaxinfer.config import SamplingParams
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from jaxinfer.engine.sequence import Sequence, SequenceStatus, make_sequences
+
+VOCAB = 1000
+
+
+def expected_token(seq: Sequence, index: int) -> int:
+    return hash((seq.request_id, seq.sample_index, index, "tok")) % VOCAB
+
+
+class FakeModel:
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.slots: list[list[tuple[int, int] | None]] = [[None] * bm.page_size for _ in range(bm.num_pages)]
+
+    def step(self, out: SchedulerOutput) -> dict[int, int]:
+        ps = self.bm.page_size
+        for e in out.scheduled:                       # all writes first, as one batch
+            seq = e.seq
+            assert 0 not in seq.page_ids
+            assert e.start_pos == seq.num_computed_tokens and e.num_new_tokens >= 1
+            assert len(seq.page_ids) * ps >= e.start_pos + e.num_new_tokens
+            toks = seq.token_ids_slice(e.start_pos, e.start_pos + e.num_new_tokens)
+            for j, t in enumerate(toks):
+                pos = e.start_pos + j
+                page = seq.page_ids[pos // ps]
+                assert self.bm.refcount(page) == 1, "write into a shared page"
+                self.slots[page][pos % ps] = (t, pos)
+        sampled = {}
+        for e in out.scheduled:
+            seq = e.seq
+            end = e.start_pos + e.num_new_tokens
+            assert e.samples == (end == seq.num_tokens)
+            ctx = [self.slots[seq.page_ids[p // ps]][p % ps] for p in range(end)]
+            assert ctx == [(t, p) for p, t in enumerate(seq.token_ids_slice(0, end))], "KV context mismatch"
+            # Every row gets a token, as a real step would; postprocess must ignore non-samplers.
+            sampled[seq.seq_id] = expected_token(seq, seq.num_output_tokens) if e.samples else -1
+        return sampled
+
+
+def run_step(sched: Scheduler, model: FakeModel, max_model_len: int | None = None) -> SchedulerOutput:
+    out = sched.schedule()
+    assert out.num_batched_tokens == sum(e.num_new_tokens for e in out.scheduled)
+    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert len({e.seq.seq_id for e in out.scheduled}) == len(out.scheduled)
+    assert sched.num_running <= sched.max_num_seqs
+    sampled = model.step(out)
+    for seq in sched.postprocess(out, sampled):
+        # The engine's stop logic: max_tokens, or the model's length limit.
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq, "length")
+        elif max_model_len is not None and seq.num_tokens >= max_model_len:
+            sched.finish(seq, "length")
+    return out
+
+
+def make(num_pages=64, page_size=4, max_num_seqs=8, budget=64, max_model_len=256,
+         max_waiting=None, prefix_caching=False):
+    bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, max_waiting), FakeModel(bm)
+
+
+def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1,
+        priority: int = 0, t: float | None = None, prompt: list[int] | None = None) -> list[Sequence]:
+    prompt = prompt if prompt is not None else [hash((rid, i)) % VOCAB for i in range(prompt_len)]
+    seqs = make_sequences(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens),
+                          priority=priority, arrival_time=t)
+    sched.add(seqs)
+    return seqs
+
+
+def assert_outputs_exact(seqs: list[Sequence]) -> None:
+    for s in seqs:
+        assert s.status is SequenceStatus.FINISHED
+        want = [expected_token(s, i) for i in range(s.num_output_tokens)]
+        assert s.output_token_ids == want
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    sched.bm.check_invariants()
+    assert not sched.has_unfinished()
+    assert sched.bm.num_used_pages == 0
+    assert sched.bm.num_free_pages == sched.bm.num_usable_pages
+
+
+def test_chunked_prefill_covers_prompt_once_then_single_token_decodes():
+    sched, model = make(budget=32)
+    (seq,) = add(sched, "a", 100, max_tokens=3)
+    chunks = []
+    while sched.has_unfinished():
+        out = run_step(sched, model)
+        chunks += [(e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled]
+    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True),
+                      (100, 1, True), (101, 1, True)]
+    assert seq.num_output_tokens == 3 and seq.finish_reason == "length"
+    assert_outputs_exact([seq])
+    assert_no_leak(sched)
+
+
+def test_budget_shared_decodes_first_and_partial_admission():
+    sched, model = make(budget=10, max_num_seqs=8)
+    a = add(sched, "a", 3, max_tokens=10)[0]
+    b = add(sched, "b", 3, max_tokens=10)[0]
+    run_step(sched, model)                               # both prompts (3 + 3)
+    c = add(sched, "c", 30, max_tokens=2)[0]
+    out = run_step(sched, model)
+    # Decodes of a and b (1 each), then c admitted with the 8 tokens left.
+    assert [(e.seq.request_id, e.start_pos, e.num_new_tokens) for e in out.scheduled] == \
+        [("a", 3, 1), ("b", 3, 1), ("c", 0, 8)]
+    out = run_step(sched, model)
+    # c's prefill chunk still goes after the decodes: a long prefill never stalls them.
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 1), ("c", 8)]
+    assert out.num_batched_tokens == 10
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact([a, b, c])
+    assert_no_leak(sched)
+
+
+def test_max_num_seqs_and_fcfs_order():
+    sched, model = make(max_num_seqs=2, budget=100)
+    seqs = [add(sched, f"r{i}", 5, max_tokens=2, t=float(i))[0] for i in range(5)]
+    out = sched.schedule()
+    assert [e.seq.request_id for e in out.scheduled] == ["r0", "r1"]
+    assert sched.num_running == 2 and sched.num_waiting == 3
+    admitted = []
+    sampled = model.step(out)
+    sched.postprocess(out, sampled)
+    admitted += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
+    while sched.has_unfinished():
+        out = run_step(sched, model)
+        admitted += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
+        assert sched.num_running <= 2
+    assert admitted == [f"r{i}" for i in range(5)]
+    assert_outputs_exact(seqs)
+    assert_no_leak(sched)
+
+
+def test_priority_then_fcfs():
+    sched, model = make(max_num_seqs=1, budget=100)
+    add(sched, "late-low", 4, priority=5, t=0.0)
+    add(sched, "hi-2", 4, priority=-1, t=2.0)
+    add(sched, "hi-1", 4, priority=-1, t=1.0)
+    add(sched, "mid", 4, priority=0, t=0.5)
+    order = []
+    while sched.has_unfinished():
+        out = run_step(sched, model)
+        order += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
+    assert order == ["hi-1", "hi-2", "mid", "late-low"]
+    assert_no_leak(sched)
+
+
+def test_head_of_queue_is_not_overtaken():
+    # 10 usable pages of 4. A holds 6; the big B (needs 5) doesn't fit; the small C
+    # (needs 1) would, but must not jump ahead of B.
+    sched, model = make(num_pages=11, page_size=4, budget=100)
+    a = add(sched, "A", 24, max_tokens=1)[0]
+    run_step(sched, model)                     # A prefills and finishes (max_tokens=1)
+    assert a.status is SequenceStatus.FINISHED
+    a2 = add(sched, "A2", 24, max_tokens=3)[0]
+    run_step(sched, model)
+    b = add(sched, "B", 20, max_tokens=1)[0]
+    c = add(sched, "C", 2, max_tokens=1)[0]
+    out = run_step(sched, model)
+    assert [e.seq.request_id for e in out.scheduled] == ["A2"]
+    assert b.status is SequenceStatus.WAITING and c.status is SequenceStatus.WAITING
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact([a, a2, b, c])
+    assert_no_leak(sched)
+
+
+def test_preempt_newest_and_resume_recomputes_prompt_and_outputs():
+    # 6 usable pages of 4 slots; two sequences of 8-token prompts grow until they collide.
+    # A third, newer request waits (max_num_seqs=2) and must stay behind the preempted one.
+    sched, model = make(num_pages=7, page_size=4, budget=64, max_model_len=64, max_num_seqs=2)
+    old = add(sched, "old", 8, max_tokens=12, t=0.0)[0]
+    new = add(sched, "new", 8, max_tokens=12, t=1.0)[0]
+    third = add(sched, "third", 8, max_tokens=2, t=2.0)[0]
+    admitted = []
+    preempted_at = None
+    log = []
+    while sched.has_unfinished():
+        before = new.num_output_tokens
+        out = run_step(sched, model)
+        log.append([(e.seq.request_id, e.start_pos, e.num_new_tokens) for e in out.scheduled])
+        admitted += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
+        if out.preempted and preempted_at is None:
+            assert out.preempted == [new]             # the newest goes, never the oldest
+            assert new.status is SequenceStatus.PREEMPTED and new.page_ids == []
+            assert new.num_computed_tokens == 0 and new.num_output_tokens == before
+            assert sched.waiting == [new, third]      # front of the queue
+            preempted_at = (len(log), before)
+    assert preempted_at is not None and old.num_preemptions == 0 and new.num_preemptions >= 1
+    step, n_out = preempted_at
+    # On resume, the first chunk recomputes prompt + the outputs it already had.
+    resume = next(e for entries in log[step:] for e in entries if e[0] == "new")
+    assert resume == ("new", 0, 8 + n_out)
+    assert sched.num_preemptions_total == new.num_preemptions + third.num_preemptions
+    assert old.num_output_tokens == new.num_output_tokens == 12
+    assert admitted[:4] == ["old", "new", "new", "third"]     # third never overtook new
+    assert_outputs_exact([old, new, third])
+    assert_no_leak(sched)
+
+
+def test_self_preemption_when_it_is_the_newest():
+    # A sequence that is itself the newest running one and can't grow is preempted itself.
+    # 3 usable pages of 2, all taken by the prompts. Step 2: a (4 tokens) still fits its
+    # 2 pages, b (3 tokens) needs a second page; b is the newest, so b preempts itself.
+    sched, model = make(num_pages=4, page_size=2, budget=64, max_model_len=64)
+    a = add(sched, "a", 3, max_tokens=4, t=0.0)[0]
+    b = add(sched, "b", 2, max_tokens=4, t=1.0)[0]
+    run_step(sched, model)
+    out = run_step(sched, model)
+    assert out.preempted == [b] and [e.seq for e in out.scheduled] == [a]
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    assert_outputs_exact([a, b])
+    assert_no_leak(sched)
+
+
+def test_abort_frees_at_once_even_mid_step():
+    sched, model = make(budget=8)
+    a = add(sched, "a", 20, max_tokens=5, n=2)
+    b = add(sched, "b", 4)[0]
+    out = sched.schedule()
+    used = sched.bm.num_used_pages
+    assert used > 0
+    aborted = sched.abort("a")
+    assert aborted and set(aborted) <= set(a)
+    assert all(s.status is SequenceStatus.FINISHED and s.finish_reason == "abort" and s.page_ids == []
+               for s in a)
+    assert sched.bm.num_used_pages < used
+    assert sched.abort("a") == [] and sched.abort("nope") == []
+    sampled = {e.seq.seq_id: 1 for e in out.scheduled}
+    sched.postprocess(out, sampled)              # skips the aborted entries
+    assert all(s.num_output_tokens == 0 for s in a)
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact([b])
+    assert_no_leak(sched)
+
+
+def test_validation_errors():
+    sched, _ = make(num_pages=5, page_size=4, max_model_len=32, max_waiting=3)
+    with pytest.raises(ValueError, match="max_model_len"):
+        add(sched, "long", 33)
+    with pytest.raises(ValueError, match="pages"):
+        add(sched, "big", 20, max_tokens=8)     # 27 tokens of KV = 7 pages > 4
+    with pytest.raises(ValueError, match="empty"):
+        add(sched, "empty", 0, prompt=[])
+    add(sched, "ok", 4, max_tokens=4)
+    with pytest.raises(ValueError, match="already"):
+        add(sched, "ok", 4)
+    with pytest.raises(ValueError, match="max_waiting"):
+        add(sched, "wide", 4, n=4)
+    add(sched, "ok2", 4, n=2)
+    with pytest.raises(QueueFullError):
+        add(sched, "one-too-many", 4)
+    assert sched.num_waiting == 3
+    sched.schedule()                             # admits, making room
+    add(sched, "now-fits", 4)
+    with pytest.raises(ValueError):
+        Scheduler(BlockManager(4, 4), 0, 8, 8)
+
+
+def test_parallel_samples_share_prompt_pages():
+    ps = 4
+    sched, model = make(num_pages=32, page_size=ps, budget=64)
+    seqs = add(sched, "par", 10, max_tokens=3, n=3)    # 2 full prompt pages + 2 tokens
+    out = run_step(sched, model)
+    # Only sample 0 prefills; its siblings wait for its full pages.
+    assert [(e.seq.sample_index, e.start_pos, e.num_new_tokens) for e in out.scheduled] == [(0, 0, 10)]
+    out = run_step(sched, model)
+    rows = [(e.seq.sample_index, e.start_pos, e.num_new_tokens) for e in out.scheduled]
+    assert rows == [(0, 10, 1), (1, 8, 2), (2, 8, 2)]
+    shared = seqs[0].page_ids[:2]
+    assert seqs[1].page_ids[:2] == shared and seqs[2].page_ids[:2] == shared
+    assert [sched.bm.refcount(p) for p in shared] == [3, 3]
+    assert len({s.page_ids[2] for s in seqs}) == 3       # the partial page is private
+    assert seqs[1].num_cached_tokens == 8
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact(seqs)
+    assert len({tuple(s.output_token_ids) for s in seqs}) == 3
+    assert_no_leak(sched)
+
+
+def test_parallel_samples_with_short_prompt_start_together():
+    sched, model = make(page_size=4)
+    seqs = add(sched, "par", 3, max_tokens=2, n=4)     # no full page to share
+    out = run_step(sched, model)
+    assert sorted(e.seq.sample_index for e in out.scheduled) == [0, 1, 2, 3]
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact(seqs)
+    assert_no_leak(sched)
+
+
+def test_prefix_caching_skips_computed_pages():
+    sched, model = make(page_size=4, budget=64, prefix_caching=True)
+    prompt = list(range(1, 15))                           # 3 full pages + 2
+    a = add(sched, "a", 0, max_tokens=2, prompt=prompt)[0]
+    while sched.has_unfinished():
+        run_step(sched, model)
+    b = add(sched, "b", 0, max_tokens=2, prompt=prompt + [99])[0]
+    out = run_step(sched, model)
+    assert [(e.start_pos, e.num_new_tokens) for e in out.scheduled] == [(12, 3)]
+    assert b.num_cached_tokens == 12
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact([a, b])
+    assert sched.num_cached_tokens_total == 12
+    assert_no_leak(sched)
+
+
+def test_postprocess_needs_sampled_tokens_and_rejects_replays():
+    sched, model = make()
+    add(sched, "a", 4)
+    out = sched.schedule()
+    with pytest.raises(KeyError):
+        sched.postprocess(out, {})
+    sched2, _ = make()
+    add(sched2, "a", 4)
+    out = sched2.schedule()
+    sampled = {e.seq.seq_id: 5 for e in out.scheduled}
+    sched2.postprocess(out, sampled)
+    with pytest.raises(RuntimeError):
+        sched2.postprocess(out, sampled)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_simulation(seed, prefix_caching):
+    rng = random.Random(seed)
+    ps = rng.choice([2, 4, 8])
+    max_model_len = 96
+    num_pages = rng.randrange(max_model_len // ps + 2, 3 * max_model_len // ps)
+    sched, model = make(num_pages=num_pages, page_size=ps, max_num_seqs=rng.choice([2, 4, 8]),
+                        budget=rng.choice([8, 16, 48]), max_model_len=max_model_len,
+                        max_waiting=rng.choice([None, 12]), prefix_caching=prefix_caching)
+    shared_prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
+    all_seqs: list[Sequence] = []
+    aborted: set[int] = set()
+    n_req = 0
+    for step in range(5000):
+        if n_req < 60 and rng.random() < 0.3:
+            rid = f"req{n_req}"
+            plen = rng.randrange(1, 60)
+            prompt = [rng.randrange(VOCAB) for _ in range(plen)]
+            if rng.random() < 0.4:
+                prompt = (rng.choice(shared_prefixes) + prompt)[:80]
+            params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randrange(1, 40))
+            seqs = make_sequences(rid, prompt, params, priority=rng.choice([0, 0, 0, 1, -1]),
+                                  arrival_time=float(step))
+            try:
+                sched.add(seqs)
+                all_seqs += seqs
+            except QueueFullError:
+                pass
+            n_req += 1
+        if all_seqs and rng.random() < 0.02:
+            rid = rng.choice(all_seqs).request_id
+            aborted.update(s.seq_id for s in sched.abort(rid))
+        if n_req >= 60 and not sched.has_unfinished():
+            break
+        run_step(sched, model, max_model_len)
+        check_refcounts(sched, all_seqs)
+    else:
+        pytest.fail("simulation did not drain: a request starved")
+    for s in all_seqs:
+        assert s.status is SequenceStatus.FINISHED
+        if s.seq_id in aborted:
+            assert s.finish_reason == "abort" and s.page_ids == []
+            continue
+        assert s.finish_reason == "length"
+        want = min(s.params.max_tokens, max(max_model_len - s.num_prompt_tokens, 1))
+        assert s.num_output_tokens == want, s
+    assert_outputs_exact(all_seqs)
+    assert len(all_seqs) >= 20
+    assert_no_leak(sched)
+
+
+def check_refcounts(sched: Scheduler, seqs: list[Sequence]) -> None:
+    sched.bm.check_invariants()
+    held = Counter(p for s in seqs for p in s.page_ids)
+    for s in seqs:
+        if s.status is not SequenceStatus.RUNNING:
+            assert s.page_ids == []
+    for p in range(sched.bm.num_pages):
+        assert sched.bm.refcount(p) == held.get(p, 0)
+
+
+def test_host_modules_never_import_jax():
+    code = ("import sys\n"
+            "import jaxinfer.engine.sequence, jaxinfer.engine.block_manager\n"
+            "import jaxinfer.engine.scheduler, jaxinfer.engine.detokenizer\n"
+            "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,605 @@
+"""The Starlette app: OpenAI-compatible and TGI-compatible routes, health and metrics.
+
+Routes:
+  POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]   (OpenAI)
+  POST /generate, POST /generate_stream, GET /info                           (TGI)
+  GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
+
+Every generation request follows one path: read the body (size-capped), parse and
+validate it into a ``GenRequest`` (serving/protocol.py), then drive
+``engine.generate``. The first output is awaited before any response header is sent, so
+errors the engine raises up front (bad input, queue full) still become clean 4xx / 503
+answers, streaming or not. While the engine works, the client's connection is watched
+(an ``http.disconnect`` from ``receive()``, raced against the generator, no polling): a
+client that goes away has its request aborted, which frees its KV pages.
+
+Status codes: 400 bad input (422 on TGI routes, as TGI does), 401 missing/wrong API key,
+404/405 unknown route or method, 413 body too large, 503 queue full / engine not ready or
+dead (with Retry-After). A 500 means a bug in this server: it is logged and counted in
+``state.internal_errors``, which the tests assert stays at zero for hostile input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jaxinfer.config import RequestOutput, SamplingParams
+from jaxinfer.errors import EngineDeadError, QueueFullError
+from serving import protocol as P
+from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
+
+log = logging.getLogger("jaxinfer.serving")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_N = 16
+# A body over the limit is still read (and thrown away) up to this many times the limit, so
+# the client gets to read our 413 instead of a connection reset while it is still sending.
+_DRAIN_FACTOR = 8
+
+
+class EngineLike(Protocol):
+    """What the server needs from ``jaxinfer.engine.async_engine.AsyncEngine``."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    is_ready: bool
+    is_dead: bool
+
+    def generate(self, prompt: str | list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, request_id: str) -> None: ...
+    def stats(self) -> dict: ...
+    async def shutdown(self) -> None: ...
+
+
+EngineFactory = Callable[[], "EngineLike | Awaitable[EngineLike]"]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share; lives at ``app.state.jx``."""
+
+    engine: EngineLike | None
+    engine_factory: EngineFactory | None = None
+    served_model_names: tuple[str, ...] | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_n: int = DEFAULT_MAX_N
+    retry_after_s: int = 1
+    shutdown_engine: bool = True
+    engine_shutdown_timeout: float = 10.0
+    on_ready: Callable[[], None] | None = None                  # engine available (loaded)
+    on_load_error: Callable[[BaseException], None] | None = None
+    internal_errors: int = 0
+    load_error: str | None = None
+    load_task: asyncio.Task | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServingMetrics = field(init=False)
+    _limits: P.Limits | None = field(default=None, init=False)
+    _texts: P.TokenTexts | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServingMetrics(lambda: self.engine, self.metric_model_name)
+
+    # -------------------------------------------------------------- engine access
+
+    def model_names(self) -> tuple[str, ...]:
+        if self.served_model_names:
+            return self.served_model_names
+        return (self.engine.model_name,) if self.engine is not None else ()
+
+    def metric_model_name(self) -> str:
+        names = self.model_names()
+        return names[0] if names else ""
+
+    def ready_engine(self) -> EngineLike:
+        e = self.engine
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if e is None:
+            msg = (f"the engine failed to load: {self.load_error}" if self.load_error
+                   else "the model is still loading; retry shortly")
+            raise P.ProtocolError(msg, status=503, code="not_ready", headers=retry)
+        if e.is_dead:
+            raise P.ProtocolError("the engine has stopped; this server cannot serve requests",
+                                  status=503, code="engine_dead")
+        if not e.is_ready:
+            raise P.ProtocolError("the engine is warming up; retry shortly", status=503,
+                                  code="not_ready", headers=retry)
+        return e
+
+    def limits(self, engine: EngineLike) -> P.Limits:
+        if self._limits is None:
+            tok = engine.tokenizer
+            try:
+                vocab = len(tok)
+            except TypeError:
+                vocab = getattr(tok, "vocab_size", None)
+            self._limits = P.Limits(self.model_names(), int(engine.max_model_len),
+                                    max(1, min(self.max_n, int(engine.max_num_seqs))), vocab)
+        return self._limits
+
+    def texts(self, engine: EngineLike) -> P.TokenTexts:
+        if self._texts is None:
+            self._texts = P.TokenTexts(engine.tokenizer)
+        return self._texts
+
+    async def load(self) -> None:
+        try:
+            f = self.engine_factory
+            if inspect.iscoroutinefunction(f):
+                engine = await f()
+            else:   # a blocking load / warm-up runs off the loop so /health keeps answering
+                engine = await _in_daemon_thread(f)
+                if inspect.isawaitable(engine):
+                    engine = await engine
+            self.engine = engine
+            log.info("engine loaded: serving %s", ", ".join(self.model_names()))
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.exception("engine failed to load")
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+            return
+        if self.on_ready is not None:
+            self.on_ready()
+
+    # -------------------------------------------------------------- auth
+
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise P.ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  status=401, code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a daemon thread: unlike the default executor, a shutdown (Ctrl-C while
+    the model compiles) does not have to wait for it to finish."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def work() -> None:
+        try:
+            res, ok = fn(), True
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            res, ok = e, False
+        with contextlib.suppress(RuntimeError):   # the loop is already closed: nobody waits
+            loop.call_soon_threadsafe(settle, ok, res)
+
+    threading.Thread(target=work, name="jaxinfer-engine-load", daemon=True).start()
+    return await fut
+
+
+# ------------------------------------------------------------------ responses
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(P.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(e: P.ProtocolError, tgi: bool = False) -> Response:
+    if tgi:
+        kind = {401: "authentication", 413: "validation", 503: "overloaded"}.get(e.status, "validation")
+        return json_response(P.tgi_error_body(e.message, kind), e.status, e.headers)
+    return json_response(P.openai_error_body(e.message, e.err_type, e.param, e.code), e.status, e.headers)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + P.dumps(obj) + b"\n\n"
+
+
+class SSEResponse:
+    """Streams server-sent events while watching for the client to go away.
+
+    Whichever ends first, the body or the connection, the other is cancelled, and the body
+    generator is closed, which closes the engine's generator and so aborts the request.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self.body = body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump, watch):
+                t.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            await self.body.aclose()
+
+    async def _pump(self, send: Any) -> None:
+        async for chunk in self.body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
+    """Await ``coro`` unless the client disconnects first (then cancel it, raise ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    gone = False
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():      # the client left (or we are being cancelled ourselves)
+            gone = True
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if gone:
+        raise ClientGone()
+    return task.result()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    too_big = P.ProtocolError(f"request body is larger than the limit of {limit} bytes",
+                              status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit * _DRAIN_FACTOR:
+        raise too_big
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit * _DRAIN_FACTOR:
+                raise too_big
+            if size <= limit:
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if size > limit:
+        raise too_big
+    return b"".join(chunks)
+
+
+async def close_gen(gen: Any) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
+# ------------------------------------------------------------------ generation
+
+async def _first_output(gen: Any, req: P.GenRequest) -> RequestOutput:
+    """The engine's first output; its up-front ValueError (bad input) becomes a 4xx."""
+    try:
+        return await gen.__anext__()
+    except ValueError as e:
+        msg = str(e)
+        head, sep, _ = msg.partition(":")
+        param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+        raise P.ProtocolError(msg, param=param, status=422 if req.kind == "tgi" else 400) from None
+    except StopAsyncIteration:
+        raise RuntimeError("engine.generate ended without any output") from None
+
+
+async def _collect(gen: Any, first: RequestOutput, tracker: RequestTracker) -> RequestOutput:
+    last = first
+    tracker.update(first)
+    while not last.finished:
+        try:
+            last = await gen.__anext__()
+        except StopAsyncIteration:
+            break
+        tracker.update(last)
+    return last
+
+
+async def run_generation(request: Request, st: ServerState, engine: EngineLike,
+                         req: P.GenRequest) -> Response:
+    tgi = req.kind == "tgi"
+    tracker = st.metrics.tracker()
+    gen = engine.generate(req.prompt_ids, req.params, req.request_id)
+    try:
+        first = await race_disconnect(request, _first_output(gen, req))
+    except BaseException as e:
+        await close_gen(gen)
+        if isinstance(e, QueueFullError):
+            st.metrics.rejected.labels(st.metric_model_name(), "queue_full").inc()
+        raise
+    if req.stream:
+        body = _stream_tgi(st, engine, req, gen, first, tracker) if tgi else \
+            _stream_openai(st, engine, req, gen, first, tracker)
+        return SSEResponse(body)
+    try:
+        final = await race_disconnect(request, _collect(gen, first, tracker))
+    except ClientGone:
+        tracker.finish(None, aborted=True)
+        raise
+    finally:
+        await close_gen(gen)
+    tracker.finish(final)
+    if not final.finished or any(o.finish_reason == "abort" for o in final.outputs):
+        raise P.ProtocolError("the request was aborted by the server (shutting down?)", status=503,
+                              code="aborted", headers={"Retry-After": str(st.retry_after_s)})
+    texts = st.texts(engine)
+    if tgi:
+        return json_response(P.tgi_response(req, final, texts, set(engine.tokenizer.eos_token_ids)))
+    shape = P.chat_response if req.kind == "chat" else P.completion_response
+    return json_response(shape(req, final, texts))
+
+
+async def _outputs(gen: Any, first: RequestOutput) -> AsyncIterator[RequestOutput]:
+    yield first
+    if first.finished:
+        return
+    async for out in gen:
+        yield out
+        if out.finished:
+            return
+
+
+async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest, gen: Any,
+                         first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
+    streamer = P.OpenAIStreamer(req, st.texts(engine))
+    last, completed = first, False
+    try:
+        async for out in _outputs(gen, first):
+            last = out
+            tracker.update(out)
+            for chunk in streamer.chunks(out):
+                yield sse(chunk)
+        completed = True
+        tracker.finish(last)
+        if req.include_usage:
+            yield sse(streamer.usage_chunk(last))
+        yield b"data: [DONE]\n\n"
+    except Exception:
+        if completed:
+            raise
+        completed = True
+        st.internal_errors += 1
+        log.exception("streaming request %s failed", req.request_id)
+        tracker.finish(last, aborted=True)
+        yield sse(P.openai_error_body("internal error while streaming", "server_error", None, "internal_error"))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not completed:
+            tracker.finish(last, aborted=True)
+        await close_gen(gen)
+
+
+async def _stream_tgi(st: ServerState, engine: EngineLike, req: P.GenRequest, gen: Any,
+                      first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
+    streamer = P.TGIStreamer(req, st.texts(engine), set(engine.tokenizer.eos_token_ids))
+    last, completed = first, False
+    try:
+        async for out in _outputs(gen, first):
+            last = out
+            tracker.update(out)
+            for ev in streamer.events(out):
+                yield sse(ev)
+        completed = True
+        tracker.finish(last)
+    except Exception:
+        if completed:
+            raise
+        completed = True
+        st.internal_errors += 1
+        log.exception("streaming request %s failed", req.request_id)
+        tracker.finish(last, aborted=True)
+        yield sse(P.tgi_error_body("internal error while streaming", "generation"))
+    finally:
+        if not completed:
+            tracker.finish(last, aborted=True)
+        await close_gen(gen)
+
+
+# ------------------------------------------------------------------ routes
+
+Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+
+def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
+    """Wrap a handler: auth, then map every failure to a well-formed error response."""
+
+    async def run(request: Request) -> Response:
+        st: ServerState = request.app.state.jx
+        try:
+            if auth:
+                st.check_auth(request)
+            return await handler(request, st)
+        except P.ProtocolError as e:
+            return error_response(e, tgi)
+        except QueueFullError as e:
+            return error_response(P.ProtocolError(
+                f"the server is at capacity ({e or 'waiting queue full'}); retry later", status=503,
+                code="queue_full", headers={"Retry-After": str(st.retry_after_s)}), tgi)
+        except EngineDeadError:
+            return error_response(P.ProtocolError(
+                "the engine has stopped; this server cannot serve requests", status=503,
+                code="engine_dead"), tgi)
+        except ClientGone:
+            return Response(status_code=499)    # nobody is listening; nginx's "client closed"
+        except Exception:
+            st.internal_errors += 1
+            log.exception("internal error on %s %s", request.method, request.url.path)
+            return error_response(P.ProtocolError("internal server error", status=500,
+                                                  code="internal_error"), tgi)
+
+    return run
+
+
+async def _gen_route(request: Request, st: ServerState, parse: Callable[..., P.GenRequest]) -> Response:
+    engine = st.ready_engine()
+    body = P.parse_json_body(await read_body(request, st.max_body_bytes))
+    req = parse(body, st.limits(engine), engine.tokenizer)
+    return await run_generation(request, st, engine, req)
+
+
+async def completions(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, P.parse_completion_request)
+
+
+async def chat_completions(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, P.parse_chat_request)
+
+
+async def tgi_generate(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, lambda b, lim, tok: P.parse_tgi_request(b, lim, tok, stream=False))
+
+
+async def tgi_generate_stream(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, lambda b, lim, tok: P.parse_tgi_request(b, lim, tok, stream=True))
+
+
+def _model_card(st: ServerState, name: str) -> dict:
+    e = st.engine
+    return {"id": name, "object": "model", "created": st.started, "owned_by": "jaxinfer", "root": name,
+            "parent": None, "max_model_len": e.max_model_len if e is not None else None}
+
+
+async def list_models(request: Request, st: ServerState) -> Response:
+    return json_response({"object": "list", "data": [_model_card(st, n) for n in st.model_names()]})
+
+
+async def get_model(request: Request, st: ServerState) -> Response:
+    name = request.path_params["model"]
+    if name not in st.model_names():
+        raise P.ProtocolError(f"model: {P._short(name)} is not served here", param="model", status=404,
+                              code="model_not_found")
+    return json_response(_model_card(st, name))
+
+
+async def tgi_info(request: Request, st: ServerState) -> Response:
+    e = st.ready_engine()
+    return json_response({"model_id": st.metric_model_name(), "model_dtype": None,
+                          "max_concurrent_requests": e.max_num_seqs, "max_best_of": 1,
+                          "max_stop_sequences": P.MAX_STOP, "max_input_tokens": e.max_model_len - 1,
+                          "max_total_tokens": e.max_model_len, "router": "jaxinfer", "version": "0.1.0"})
+
+
+async def health(request: Request, st: ServerState) -> Response:
+    e = st.engine
+    if e is None:
+        status = "failed" if st.load_error else "loading"
+    elif e.is_dead:
+        status = "dead"
+    elif not e.is_ready:
+        status = "warming_up"
+    else:
+        return json_response({"status": "ok"})
+    body: dict[str, Any] = {"status": status}
+    if st.load_error:
+        body["error"] = st.load_error
+    return json_response(body, 503)
+
+
+async def metrics(request: Request, st: ServerState) -> Response:
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", "") or "error"
+    if status == 404:
+        detail = f"no route for {request.method} {request.url.path}"
+    elif status == 405:
+        detail = f"method {request.method} is not allowed on {request.url.path}"
+    return error_response(P.ProtocolError(detail, status=status, code=str(status),
+                                          headers=getattr(exc, "headers", None) or None))
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    st: ServerState = request.app.state.jx
+    st.internal_errors += 1
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(P.ProtocolError("internal server error", status=500, code="internal_error"))
+
+
+def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory | None = None,
+              served_model_names: list[str] | tuple[str, ...] | None = None, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
+              retry_after_s: int = 1, shutdown_engine: bool = True,
+              engine_shutdown_timeout: float = 10.0, on_ready: Callable[[], None] | None = None,
+              on_load_error: Callable[[BaseException], None] | None = None) -> Starlette:
+    """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
+
+    A factory is called once the server is listening, so /health can answer 503 while the
+    model loads and warms up: a coroutine function is awaited on the loop, a plain
+    function runs in a worker thread (it may return an awaitable, which is then awaited).
+    ``on_ready`` is called once the engine is there (at startup, or when the factory
+    returns); ``on_load_error`` if the factory raises.
+    """
+    if (engine is None) == (engine_factory is None):
+        raise ValueError("build_app: pass exactly one of engine, engine_factory")
+    st = ServerState(engine=engine, engine_factory=engine_factory,
+                     served_model_names=tuple(served_model_names) if served_model_names else None,
+                     api_key=api_key or None, max_body_bytes=max_body_bytes, max_n=max_n,
+                     retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
+                     engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
+                     on_load_error=on_load_error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if st.engine is None and st.engine_factory is not None:
+            st.load_task = asyncio.create_task(st.load())
+        elif st.on_ready is not None:
+            st.on_ready()
+        try:
+            yield
+        finally:
+            if st.load_task is not None and not st.load_task.done():
+                st.load_task.cancel()
+                await asyncio.gather(st.load_task, return_exceptions=True)
+            if st.shutdown_engine and st.engine is not None:
+                try:
+                    await asyncio.wait_for(st.engine.shutdown(), st.engine_shutdown_timeout)
+                except Exception:
+                    log.exception("engine shutdown failed")
+
+    routes = [
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/models", endpoint(list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
+        Route("/generate", endpoint(tgi_generate, tgi=True), methods=["POST"]),
+        Route("/generate_stream", endpoint(tgi_generate_stream, tgi=True), methods=["POST"]),
+        Route("/info", endpoint(tgi_info, tgi=True), methods=["GET"]),
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _unhandled})
+    app.state.jx = st
+    return app

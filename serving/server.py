@@ -1,0 +1,143 @@
+"""Run the serving app under uvicorn, with a graceful SIGTERM.
+
+The CLI wires ``jaxinfer serve`` as::
+
+    from serving.server import add_serve_args, serve_main
+    add_engine_args(serve_parser)         # the CLI's own: --model --max-num-seqs --max-model-len ...
+    add_serve_args(serve_parser)          # --host --port --api-key --served-model-name ...
+    ...
+    return serve_main(args)               # builds Engine + AsyncEngine from args while listening
+    return serve_main(args, engine)       # or: serve a ready AsyncEngine / a zero-argument factory
+
+While the engine loads and compiles, the server already listens and /health answers 503;
+it answers 200 once the engine is warm. If loading fails the server exits with status 1.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests
+finish for up to ``--shutdown-timeout`` seconds, cancels what is left (which aborts those
+requests in the engine), shuts the engine down, and returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import uvicorn
+
+from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, build_app
+
+log = logging.getLogger("jaxinfer.serving")
+
+DEFAULT_SERVE_MAX_SEQS = 32    # --max-num-seqs when the CLI leaves it unset (generate uses 1)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add the HTTP server's options (the model / engine options are the CLI's own)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on the /v1 and TGI routes")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use in 'model' (default: the engine's model name)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help=f"largest n (samples per request), also capped by max_num_seqs (default {DEFAULT_MAX_N})")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info)")
+    g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+
+
+def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
+    """``jaxinfer serve``: serve ``engine`` (an AsyncEngine or a zero-argument factory), or,
+    when it is None, the engine the CLI's engine options describe (loaded after listening)."""
+    if engine is None:
+        engine = engine_factory_from_args(args)
+    return run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
+                      served_model_names=args.served_model_name, max_body_bytes=args.max_request_bytes,
+                      max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                      access_log=not args.no_access_log)
+
+
+def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
+    """A factory for the AsyncEngine the CLI's engine flags (``add_engine_args``) describe."""
+
+    def load() -> Any:
+        from jaxinfer.cli import engine_config
+        from jaxinfer.engine.async_engine import AsyncEngine
+        from jaxinfer.engine.engine import Engine
+
+        t0 = time.perf_counter()
+        print("jaxinfer: loading model and compiling buckets ...", file=sys.stderr, flush=True)
+        engine = Engine(args.model, config=engine_config(args, default_max_seqs=DEFAULT_SERVE_MAX_SEQS),
+                        progress=True)
+        print(f"jaxinfer: engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        return AsyncEngine(engine)
+
+    return load
+
+
+def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_names: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_n: int = DEFAULT_MAX_N, shutdown_timeout: float = 30.0, log_level: str = "info",
+               access_log: bool = True, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM / SIGINT; return 0 after a graceful shutdown.
+
+    ``engine`` is either ready (has ``generate``) or a zero-argument factory called after
+    the server starts listening (then /health answers 503 until it returns a warm engine).
+    """
+    is_engine = hasattr(engine, "generate")
+    if not is_engine and not callable(engine):
+        raise TypeError("run_server: engine must be an AsyncEngine or a zero-argument factory")
+    failed: list[BaseException] = []
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def on_ready() -> None:
+        names = ", ".join(app.state.jx.model_names())
+        print(f"jaxinfer: serving {names} at {url} (OpenAI API under {url}/v1)", file=sys.stderr, flush=True)
+
+    def on_load_error(e: BaseException) -> None:
+        failed.append(e)
+        print(f"jaxinfer: the engine failed to load: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    app = build_app(engine if is_engine else None, engine_factory=None if is_engine else engine,
+                    served_model_names=served_model_names, api_key=api_key,
+                    max_body_bytes=max_body_bytes, max_n=max_n, on_ready=on_ready,
+                    on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout)
+    server = uvicorn.Server(config)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
+    with _absorb_reraised_signals():
+        server.run(sockets=[sock] if sock is not None else None)
+    return 0 if server.started and not failed else 1
+
+
+@contextlib.contextmanager
+def _absorb_reraised_signals() -> Iterator[None]:
+    """uvicorn re-raises the SIGTERM it handled once it has shut down, to the handler that was
+    installed before it; install a no-op there so a graceful shutdown exits 0, not -15."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -90,9 +90,33 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class _PrefillSlots:
+    """The shapes prefill chunks may take in one step (they must fit a compiled bucket):
+    one chunk of up to ``max_chunk`` tokens, or up to ``multi[0]`` chunks of at most
+    ``multi[1]`` tokens each. Chunks of 1 token ride in decode slots and are not counted."""
+
+    def __init__(self, max_chunk: int, multi: tuple[int, int]):
+        self.max_chunk, (self.max_count, self.multi_chunk) = max_chunk, multi
+        self.count = 0
+        self.closed = False
+
+    def take(self, want: int) -> int:
+        """How many of ``want`` tokens this sequence may compute now (0: not this step)."""
+        if want <= 1:
+            return want
+        if self.closed or self.count >= self.max_count:
+            return 0
+        n = min(want, self.max_chunk if self.count == 0 else self.multi_chunk)
+        self.count += 1
+        self.closed = n > self.multi_chunk     # a big single chunk leaves no room for others
+        return n
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_waiting: int | None = None) -> None:
+                 max_model_len: int, max_waiting: int | None = None, *,
+                 max_prefill_chunk: int | None = None,
+                 multi_prefill: tuple[int, int] | None = None) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if not (isinstance(v, int) and v >= 1):
@@ -104,6 +128,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        # Bucket shapes for prefill chunks (see _PrefillSlots); default: no constraint.
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.multi_prefill = multi_prefill or (max_num_seqs, self.max_prefill_chunk)
         # Both queues are kept sorted by _key: (priority, arrival_time, order of add).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -191,6 +218,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: dict[int, ScheduledSeq] = {}          # seq_id -> entry, in schedule order
         preempted: list[Sequence] = []
+        slots = _PrefillSlots(self.max_prefill_chunk, self.multi_prefill)
 
         decodes = [s for s in self.running if s.num_new_tokens_needed == 1]
         prefills = [s for s in self.running if s.num_new_tokens_needed > 1]
@@ -199,7 +227,9 @@ class Scheduler:
                 break
             if seq.status is not _RUNNING:            # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_new_tokens_needed, budget)
+            num_new = slots.take(min(seq.num_new_tokens_needed, budget))
+            if num_new == 0:
+                continue
             target = seq.num_computed_tokens + num_new
             self._check_len(seq, target)
             while not self.bm.allocate_for(seq, target):
@@ -217,7 +247,7 @@ class Scheduler:
                 budget -= num_new
 
         if not preempted:
-            budget = self._admit(budget, chosen)
+            budget = self._admit(budget, chosen, slots)
 
         scheduled = list(chosen.values())
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
@@ -254,7 +284,7 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple[int, float, int]:
         return self._keys[seq.seq_id]
 
-    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq]) -> int:
+    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots) -> int:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -263,7 +293,9 @@ class Scheduler:
                 i += 1
                 continue
             cached = len(prefix) * self.bm.page_size
-            num_new = min(seq.num_tokens - cached, budget)
+            num_new = slots.take(min(seq.num_tokens - cached, budget))
+            if num_new == 0:
+                break                                 # no prefill slot left this step
             target = cached + num_new
             self._check_len(seq, target)
             if not self.bm.allocate_for(seq, target, prefix_pages=prefix):
@@ -281,6 +313,11 @@ class Scheduler:
 
     def _prefix_for(self, seq: Sequence) -> list[int] | None:
         """Computed pages ``seq`` can start from, or None if it should wait for a sibling."""
+        p = seq.params
+        if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+            # The device rebuilds penalty state from the tokens a sequence feeds, so a
+            # penalized sequence computes its whole prompt itself.
+            return []
         cache_hit = self.bm.lookup_prefix(seq)
         group = self._requests[seq.request_id]
         # Full pages of the prompt, leaving >= 1 token to compute.

@@ -1,0 +1,363 @@
+"""Engine: add_request / step / abort / generate over the continuous-batching core.
+
+``step()`` is three calls (schedule -> run -> postprocess): the scheduler picks the
+sequences and token counts, the batch builder pads them into a compiled bucket, the runner
+executes forward + sampling, and postprocessing appends tokens, detokenizes, applies stop
+conditions and frees finished sequences' pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence as Seq
+
+import numpy as np
+
+from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, RequestMetrics,
+                             RequestOutput, SamplingParams)
+from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
+from jaxinfer.engine.sequence import Sequence, make_sequences
+from jaxinfer.reference import derive_seed
+
+log = logging.getLogger("jaxinfer")
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    seeds: list[int]
+    logprobs: list[list[Logprob]] | None
+    metrics: RequestMetrics
+    finished: bool = False
+    stop_reasons: list[Any] = field(default_factory=list)
+
+    def snapshot(self) -> RequestOutput:
+        outs = []
+        for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
+            outs.append(CompletionOutput(
+                index=i, text=d.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=None if self.logprobs is None else list(self.logprobs[i])))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics)
+
+
+def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (a string, a token-id list, a chat message list) or a list of them."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts: empty list")
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompts):
+            return [list(prompts)]
+        if all(isinstance(x, dict) for x in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise ValueError(f"prompts: expected a string, token ids, chat messages or a list of those, "
+                     f"got {type(prompts).__name__}")
+
+
+class Engine:
+    """The in-process API. ``Engine().generate("Hello")`` runs the embedded default model."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
+        from jaxinfer.engine import kv_cache as kvc
+        from jaxinfer.engine.runner import ModelRunner
+        from jaxinfer.loading import load_model
+
+        config = config or EngineConfig(**overrides)
+        if overrides and config is not None and not isinstance(config, EngineConfig):
+            raise ValueError("config: pass an EngineConfig or keyword overrides")
+        self.config = config
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.loaded = loaded if loaded is not None else load_model(model, config.dtype)
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = model or os.path.basename(self.loaded.source)
+        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
+                                 mc.max_position_embeddings)
+        dtype = self.loaded.model.dtype
+        probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
+        num_pages = config.num_pages or max(2, (config.kv_cache_memory or EngineConfig.DEFAULT_KV_CACHE_MEMORY)
+                                            // probe.bytes_per_page)
+        self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads,
+                                       mc.head_dim, dtype)
+        self.ladders = self._ladders()
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len, config.max_waiting,
+                                   max_prefill_chunk=self.ladders.max_single_chunk,
+                                   multi_prefill=self.ladders.max_multi)
+        self.runner = ModelRunner(self.loaded.model, self.kv_spec, config.max_num_seqs + 1, attention)
+        self._free_rows = list(range(config.max_num_seqs, 0, -1))   # row 0: padding sink
+        self._rows: dict[int, int] = {}
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+        self.compile_seconds = self._warmup(progress)
+
+    # ---- start-up -----------------------------------------------------------------
+    def _ladders(self) -> BucketLadders:
+        c = self.config
+        auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
+        return BucketLadders(c.decode_buckets or auto.decode_sizes,
+                             c.mixed_decode_buckets or auto.mixed_decode_sizes,
+                             c.prefill_buckets or auto.prefill_shapes,
+                             c.page_buckets or auto.page_sizes)
+
+    def _warmup(self, progress: bool) -> float:
+        buckets = self.ladders.all_buckets()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(buckets), desc="compiling buckets", unit="bucket", leave=False)
+        secs = self.runner.compile_all(buckets, (lambda i, n, b: bar.update(1)) if bar else None)
+        if bar:
+            bar.close()
+        log.info("compiled %d buckets in %.1fs", len(buckets), secs)
+        return secs
+
+    # ---- requests -----------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: empty string")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            return None, list(ids)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt: empty token list")
+            V = self.model_config.vocab_size
+            for t in prompt:
+                if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
+                    raise ValueError(f"prompt: token id {t!r} is not an integer in [0, {V})")
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; raises ValueError (bad input, too long) or QueueFullError."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt: tokenizes to zero tokens")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        seqs = make_sequences(request_id, ids, params, priority=priority)
+        self.scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        seeds = [derive_seed(params.seed, i) if params.seed is not None
+                 else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                         params.include_stop_str_in_output) for _ in seqs]
+        lps = None if params.logprobs is None else [[] for _ in seqs]
+        self._requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
+                                              RequestMetrics(arrival_time=time.monotonic()))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False if unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in self.scheduler.abort(request_id):
+            self._release_row(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run -> postprocess. Returns outputs of requests that
+        changed (cumulative snapshots), finished ones included once, last."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self._release_row(seq)
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for e in sched.scheduled:
+            if e.seq.seq_id not in self._rows:
+                self._rows[e.seq.seq_id] = self._free_rows.pop()
+            req = self._requests[e.seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, self._rows)
+        t = self._sampling_tensors(batch)
+        t1 = time.perf_counter()
+        packed = self.runner.execute(batch, t)
+        t2 = time.perf_counter()
+        outs = self._postprocess(sched, batch, packed)
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        self.host_seconds += (t1 - t0) + (t3 - t2)
+        self.device_seconds += t2 - t1
+        return outs
+
+    def _sampling_tensors(self, batch):
+        from jaxinfer.engine import sampler as S
+
+        n = batch.bucket.num_seqs
+        params: list[SamplingParams | None] = [None] * n
+        seeds, steps = [0] * n, [0] * n
+        for slot, e in batch.entries:
+            req = self._requests[e.seq.request_id]
+            params[slot] = e.seq.params
+            seeds[slot] = req.seeds[e.seq.sample_index]
+            steps[slot] = e.seq.num_output_tokens
+        return S.sampling_tensors_from_params(params, seeds, steps, n)
+
+    def _postprocess(self, sched: SchedulerOutput, batch, packed: np.ndarray) -> list[RequestOutput]:
+        from jaxinfer.engine import sampler as S
+
+        res = S.unpack(packed)
+        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in batch.entries if e.samples}
+        slot_of = {e.seq.seq_id: slot for slot, e in batch.entries}
+        grew = self.scheduler.postprocess(sched, sampled)
+        self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
+                                        if e.start_pos < e.seq.num_prompt_tokens)
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for seq in grew:
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            touched[req.request_id] = req
+            self.generation_tokens_total += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            tok = seq.output_token_ids[-1]
+            slot = slot_of[seq.seq_id]
+            if req.logprobs is not None:
+                k = seq.params.logprobs or 0
+                req.logprobs[seq.sample_index].append(Logprob(tok, float(res.logprobs[slot]), tuple(
+                    (int(i), float(x)) for i, x in zip(res.top_ids[slot, :k], res.top_logprobs[slot, :k]))))
+            self._check_stop(req, seq, tok)
+        outs = []
+        for req in touched.values():
+            if all(s.is_finished for s in req.seqs):
+                req.finished = True
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+            outs.append(req.snapshot())
+        return outs
+
+    def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        d = req.detoks[seq.sample_index]
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            d.finish()
+            return self._finish(seq, "stop", tok)
+        d.append(tok)
+        if d.stopped_by is not None:
+            return self._finish(seq, "stop", d.stopped_by)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            d.finish()
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        self._release_row(seq)
+
+    def _release_row(self, seq: Sequence) -> None:
+        row = self._rows.pop(seq.seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    # ---- batch API ----------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together; outputs in prompt order."""
+        plist = normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(plist, params):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return self.run_until_done(ids, use_tqdm)
+
+    def run_until_done(self, ids: list[str], use_tqdm: bool = False,
+                       on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        want = set(ids)
+        while want - final.keys():
+            for out in self.step():
+                if on_output:
+                    on_output(out)
+                if out.finished and out.request_id in want:
+                    final[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage,
+            "num_free_pages": bm.num_free_pages,
+            "num_total_pages": bm.num_usable_pages,
+            "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_steps": self.num_steps,
+        }
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache: a warm start loads executables from disk."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,8 +1,9 @@
 """The model runner: builds the step function, compiles every bucket ahead of time, executes.
 
-One step = forward over the ragged batch + penalties + on-device sampling, returning one
-packed i32[S, 2 + 2K] array (a single device->host copy). The KV pages and the penalty
-state are donated: the step updates them in place and hands them back.
+One step = two executables back to back, both on device: the forward over the ragged
+batch (one per bucket; KV pages and penalty state donated, updated in place) and the
+sampler (one per slot count S), which returns one packed i32[S, 2 + 2K] array: a single
+device->host copy per step.
 
 After ``compile_all`` the runner only calls ``Compiled`` objects: a compile after warm-up
 is impossible by construction for a known bucket, and an unknown bucket raises.
@@ -43,14 +44,13 @@ def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_len
     return attn
 
 
-def _penalty_inputs(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
-    """Update the per-row penalty state with this step's fed tokens; gather the slots' rows.
+def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
+    """Fold this step's fed tokens into the per-row penalty state (bool/i32 [R, V]).
 
     Prompt presence and output counts are rebuilt from the tokens as they are fed, so a
     sequence resumed after preemption (which re-feeds prompt + outputs) gets them back
     exactly. Skipped entirely (lax.cond) when no row has a penalty.
     """
-    prompt_mask, counts = pen                                     # bool/i32 [R, V]
 
     def update(pen):
         pm, oc = pen
@@ -62,22 +62,34 @@ def _penalty_inputs(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
         oc = oc.at[a["token_rows"], a["tokens"]].add(is_out.astype(jnp.int32))
         return pm, oc
 
-    any_pen = ((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)).any()
-    prompt_mask, counts = lax.cond(any_pen, update, lambda p: p, (prompt_mask, counts))
-    return (prompt_mask, counts), prompt_mask[a["rows"]], counts[a["rows"]]
+    return lax.cond(_any_penalty(t), update, lambda p: p, pen)
 
 
-def step_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
-            bucket: Bucket, attention: Callable):
+def _any_penalty(t: S.SamplingTensors) -> jax.Array:
+    return ((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)).any()
+
+
+def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
+               bucket: Bucket, attention: Callable):
+    """One executable per bucket: the model over the ragged batch -> logits f32[S, V]."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg.head_dim ** -0.5,
                               cfg.sliding_window)
     logits, kv = model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"])
-    pen, prompt_mask, counts = _penalty_inputs(pen, t, arrays)
-    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=prompt_mask, output_counts=counts)
-    return S.pack(out), kv, pen
+    return logits, kv, _update_penalty_state(pen, t, arrays)
+
+
+def sample_fn(logits, pen, rows, t: S.SamplingTensors):
+    """One executable per number of slots S (not per bucket: the sampler is slow to
+    compile and only depends on S): penalties + sampling + logprobs, packed."""
+
+    def rows_of(x):
+        return lax.cond(_any_penalty(t), lambda: x[rows], lambda: jnp.zeros((rows.shape[0],) + x.shape[1:], x.dtype))
+
+    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=rows_of(pen[0]), output_counts=rows_of(pen[1]))
+    return S.pack(out)
 
 
 class ModelRunner:
@@ -91,9 +103,11 @@ class ModelRunner:
         V = self.cfg.vocab_size
         self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
         self.num_rows = num_rows
-        self._fn = jax.jit(functools.partial(step_fn, self.graphdef, attention=attn_impl),
-                           static_argnames=("bucket",), donate_argnums=(1, 2))
+        self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl),
+                                static_argnames=("bucket",), donate_argnums=(1, 2))
+        self._sample = jax.jit(sample_fn)
         self.executables: dict[Bucket, Any] = {}
+        self.samplers: dict[int, Any] = {}
         self.compile_seconds = 0.0
 
     def _abstract_args(self, b: Bucket):
@@ -115,7 +129,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         for i, b in enumerate(buckets):
             if b not in self.executables:
-                self.executables[b] = self._fn.lower(*self._abstract_args(b), bucket=b).compile()
+                args = self._abstract_args(b)
+                self.executables[b] = self._forward.lower(*args, bucket=b).compile()
+            if b.num_seqs not in self.samplers:
+                _, _, pen, arrays, t = self._abstract_args(b)
+                logits = jax.ShapeDtypeStruct((b.num_seqs, self.cfg.vocab_size), jnp.float32)
+                self.samplers[b.num_seqs] = self._sample.lower(logits, pen, arrays["rows"], t).compile()
             if progress:
                 progress(i + 1, len(buckets), b)
         self.compile_seconds += time.perf_counter() - t0
@@ -126,5 +145,7 @@ class ModelRunner:
         exe = self.executables.get(batch.bucket)
         if exe is None:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
-        packed, self.kv, self.pen = exe(self.state, self.kv, self.pen, as_device_args(batch), t)
+        arrays, t = jax.device_put((as_device_args(batch), t))   # one transfer, used twice
+        logits, self.kv, self.pen = exe(self.state, self.kv, self.pen, arrays, t)
+        packed = self.samplers[batch.bucket.num_seqs](logits, self.pen, arrays["rows"], t)
         return np.asarray(packed)

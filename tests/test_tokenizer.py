@@ -308,3 +308,39 @@ def test_sentencepiece_vocab_matches_transformers(tmp_path):
         ids = ref.encode(text)
         assert ours.encode(text) == ids, repr(text)
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), repr(text)
+    ours.hf.save_pretrained(str(tmp_path / "saved"))     # what `jaxinfer convert` keeps
+    again = Tokenizer.from_hf_dir(str(tmp_path / "saved"))
+    assert again.add_bos_token and again.encode("Hello world") == ours.encode("Hello world")
+    for text in CORPUS[::4]:
+        assert again.decode(ours.encode(text)) == ours.decode(ours.encode(text)), repr(text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe"])
+def test_split_regex_pre_tokenizers_match_transformers(default_gguf_path, tmp_path, pre):
+    """SmolLM2's vocabulary and merges under Qwen2's / Llama 3's split regex: the regexes
+    are the part of those tokenizers that differs, and transformers knows both."""
+    import gguf
+
+    reader = open_gguf(default_gguf_path)
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    path = tmp_path / f"{pre}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
+                 ("feed_forward_length", 16), ("attention.head_count", 2)):
+        w.add_uint32(f"llama.{k}", v)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(field("tokenizer.ggml.tokens"))
+    w.add_token_types(field("tokenizer.ggml.token_type"))
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf_reader(open_gguf(str(path)))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in CORPUS:
+        assert ours.encode(text) == ref.encode(text), repr(text)

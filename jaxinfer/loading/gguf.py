@@ -101,7 +101,9 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
             w = _unpermute_rows(w, heads if ".attn_q." in name else kv_heads)
         w = w.astype(dtype, copy=False)
         # F32 tensors come back as views of the read-only mmap; own the memory instead.
-        return w if w.base is None or w.flags.owndata else np.array(w, copy=True)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = np.array(w, order="C")
+        return w
 
     # Serial on purpose: a thread pool measured slower (the numpy dequantizers are
     # memory-bound and mostly hold the GIL between their many small ops).

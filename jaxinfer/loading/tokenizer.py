@@ -82,6 +82,7 @@ class Tokenizer:
                 ids.append(int(t))
         self._eos_token_ids = tuple(ids)
         self._vocab_size = int(vocab_size) if vocab_size is not None else len(hf)
+        self._adds_bos: bool | None = None
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -201,7 +202,12 @@ class Tokenizer:
 
     @property
     def add_bos_token(self) -> bool:
-        return bool(getattr(self.hf, "add_bos_token", False))
+        """Whether ``encode(text)`` puts BOS first (read off the post-processor's behaviour:
+        a tokenizer reloaded from tokenizer.json can add BOS while ``hf.add_bos_token`` is False)."""
+        if self._adds_bos is None:
+            bos = self.bos_token_id
+            self._adds_bos = bos is not None and self.hf.encode("", add_special_tokens=True)[:1] == [bos]
+        return self._adds_bos
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -4,7 +4,6 @@ independent dequantizer on a real Q4_K_M file."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import gguf

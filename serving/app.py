@@ -4,6 +4,7 @@ Routes:
   POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]   (OpenAI)
   POST /generate, POST /generate_stream, GET /info                           (TGI)
   GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
+  GET /openapi.json                                                          (request schemas)
 
 Every generation request follows one path: read the body (size-capped), parse and
 validate it into a ``GenRequest`` (serving/protocol.py), then drive
@@ -316,12 +317,11 @@ async def _first_output(gen: Any, req: P.GenRequest) -> RequestOutput:
 async def _collect(gen: Any, first: RequestOutput, tracker: RequestTracker) -> RequestOutput:
     last = first
     tracker.update(first)
-    while not last.finished:
-        try:
-            last = await gen.__anext__()
-        except StopAsyncIteration:
-            break
-        tracker.update(last)
+    # Run the generator to its end rather than stopping at ``finished``: closing it early,
+    # even just after the last output, would look like a client abort to the engine.
+    async for out in gen:
+        last = out
+        tracker.update(out)
     return last
 
 
@@ -360,13 +360,20 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
 
 
 async def _outputs(gen: Any, first: RequestOutput) -> AsyncIterator[RequestOutput]:
+    """``first``, then the rest of ``gen``, which is run to its end (see ``_collect``)."""
     yield first
-    if first.finished:
-        return
     async for out in gen:
         yield out
-        if out.finished:
-            return
+
+
+def _stream_failure(st: ServerState, req: P.GenRequest, e: Exception) -> tuple[str, str]:
+    """After the headers are out, an error can only be reported in the stream: say what."""
+    if isinstance(e, EngineDeadError):
+        log.error("engine died while streaming request %s: %s", req.request_id, e)
+        return "the engine has stopped; this server cannot serve requests", "engine_dead"
+    st.internal_errors += 1
+    log.exception("streaming request %s failed", req.request_id)
+    return "internal error while streaming", "internal_error"
 
 
 async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest, gen: Any,
@@ -384,14 +391,13 @@ async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest,
         if req.include_usage:
             yield sse(streamer.usage_chunk(last))
         yield b"data: [DONE]\n\n"
-    except Exception:
+    except Exception as e:
         if completed:
             raise
         completed = True
-        st.internal_errors += 1
-        log.exception("streaming request %s failed", req.request_id)
         tracker.finish(last, aborted=True)
-        yield sse(P.openai_error_body("internal error while streaming", "server_error", None, "internal_error"))
+        msg, code = _stream_failure(st, req, e)
+        yield sse(P.openai_error_body(msg, "server_error", None, code))
         yield b"data: [DONE]\n\n"
     finally:
         if not completed:
@@ -411,14 +417,13 @@ async def _stream_tgi(st: ServerState, engine: EngineLike, req: P.GenRequest, ge
                 yield sse(ev)
         completed = True
         tracker.finish(last)
-    except Exception:
+    except Exception as e:
         if completed:
             raise
         completed = True
-        st.internal_errors += 1
-        log.exception("streaming request %s failed", req.request_id)
         tracker.finish(last, aborted=True)
-        yield sse(P.tgi_error_body("internal error while streaming", "generation"))
+        msg, _ = _stream_failure(st, req, e)
+        yield sse(P.tgi_error_body(msg, "generation"))
     finally:
         if not completed:
             tracker.finish(last, aborted=True)
@@ -529,6 +534,10 @@ async def metrics(request: Request, st: ServerState) -> Response:
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def openapi(request: Request, st: ServerState) -> Response:
+    return json_response(P.openapi_schema())
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", "") or "error"
@@ -598,6 +607,7 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
         Route("/info", endpoint(tgi_info, tgi=True), methods=["GET"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})

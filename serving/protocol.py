@@ -635,12 +635,32 @@ class DeltaTracker:
 
 # ------------------------------------------------------------------ OpenAI shapes
 
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE (GPT-2 style) spells each byte as one printable character: printable
+    Latin-1 bytes as themselves, the other bytes as U+0100 onwards, in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in keep}
+    rest = [b for b in range(256) if b not in keep]
+    table.update({chr(0x100 + i): b for i, b in enumerate(rest)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
 class TokenTexts:
-    """Token id -> its text (as shown in logprobs), cached: the vocabulary is bounded."""
+    """Token id -> its text and its exact bytes (as shown in logprobs), cached per id.
+
+    The text is ``decode([id])``. The bytes come from the vocabulary piece when the
+    tokenizer exposes ``convert_ids_to_tokens`` (byte-level BPE or SentencePiece ``<0xNN>``
+    pieces), so a token holding part of a multi-byte character reports its real bytes.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.cache: dict[int, str] = {}
+        self.byte_cache: dict[int, bytes] = {}
+        self._byte_level: bool | None = None
 
     def __call__(self, tid: int) -> str:
         s = self.cache.get(tid)
@@ -652,6 +672,41 @@ class TokenTexts:
             if len(self.cache) < 1_000_000:
                 self.cache[tid] = s
         return s
+
+    def bytes(self, tid: int) -> bytes:
+        b = self.byte_cache.get(tid)
+        if b is None:
+            b = self._piece_bytes(tid)
+            if b is None:
+                b = self(tid).encode("utf-8", "replace")
+            if len(self.byte_cache) < 1_000_000:
+                self.byte_cache[tid] = b
+        return b
+
+    def _piece_bytes(self, tid: int) -> bytes | None:
+        conv = getattr(self.tok, "convert_ids_to_tokens", None)
+        if conv is None:
+            return None
+        try:
+            piece = conv(tid)
+            if self._byte_level is None:
+                probe = "".join(conv(list(self.tok.encode(" é", add_special_tokens=False))))
+                self._byte_level = (all(c in _BYTE_LEVEL for c in probe)
+                                    and bytes(_BYTE_LEVEL[c] for c in probe) == " é".encode())
+        except Exception:
+            return None
+        if not isinstance(piece, str) or not piece:
+            return None
+        if self._byte_level:
+            if all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        return piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _lp(x: float) -> float:
@@ -684,15 +739,15 @@ def completion_logprobs(lps: Sequence[Logprob], k: int, texts: TokenTexts, offse
             "text_offset": offsets}, offset
 
 
-def _chat_lp_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", "replace"))}
+def _chat_lp_entry(texts: TokenTexts, tid: int, logprob: float) -> dict:
+    return {"token": texts(tid), "logprob": _lp(logprob), "bytes": list(texts.bytes(tid))}
 
 
 def chat_logprobs(lps: Sequence[Logprob], k: int, texts: TokenTexts) -> dict:
     content = []
     for lp in lps:
-        e = _chat_lp_entry(texts(lp.token_id), lp.logprob)
-        e["top_logprobs"] = [_chat_lp_entry(texts(tid), v) for tid, v in lp.top[:k]]
+        e = _chat_lp_entry(texts, lp.token_id, lp.logprob)
+        e["top_logprobs"] = [_chat_lp_entry(texts, tid, v) for tid, v in lp.top[:k]]
         content.append(e)
     return {"content": content, "refusal": None}
 
@@ -857,3 +912,71 @@ class TGIStreamer:
                                      "generated_tokens": len(o.token_ids), "seed": self.req.params.seed}
                 res.append(ev)
         return res
+
+
+# ------------------------------------------------------------------ OpenAPI
+
+_INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
+_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_STOP}]}
+_SAMPLING = dict(
+    n={**_INT, "minimum": 1}, temperature={**_NUM, "minimum": 0}, top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1},
+    top_k={**_INT, "minimum": -1}, min_p={**_NUM, "minimum": 0, "maximum": 1},
+    presence_penalty={**_NUM, "minimum": -2, "maximum": 2}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
+    repetition_penalty={**_NUM, "exclusiveMinimum": 0}, seed={**_INT, "minimum": SEED_MIN, "maximum": SEED_MAX},
+    stop=_STOP, stop_token_ids={"type": "array", "items": {**_INT, "minimum": 0}},
+    ignore_eos=_BOOL, include_stop_str_in_output=_BOOL, skip_special_tokens=_BOOL,
+    stream=_BOOL, stream_options={"type": "object", "properties": {"include_usage": _BOOL}},
+    model=_STR, max_tokens={**_INT, "minimum": 1},
+)
+
+
+def openapi_schema() -> dict:
+    """A hand-kept OpenAPI 3.1 description of the routes and their request bodies."""
+    err = {"description": "error", "content": {"application/json": {"schema": {"type": "object"}}}}
+    ok_json = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    ok_sse = {"description": "OK (JSON, or server-sent events when stream is true)",
+              "content": {"application/json": {}, "text/event-stream": {}}}
+
+    def post(summary: str, schema: dict, stream: bool = True) -> dict:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                         "responses": {"200": ok_sse if stream else ok_json, "400": err, "401": err,
+                                       "413": err, "422": err, "503": err}}}
+
+    completion = {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
+                                          {"type": "array", "items": {**_INT, "minimum": 0}}]},
+        "echo": _BOOL, "logprobs": {**_INT, "minimum": 0, "maximum": SamplingParams.MAX_LOGPROBS}}}
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": _STR}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [_STR, {"type": "array", "items": part}, {"type": "null"}]}}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        **_SAMPLING, "messages": {"type": "array", "items": message, "minItems": 1},
+        "max_completion_tokens": {**_INT, "minimum": 1}, "logprobs": _BOOL,
+        "top_logprobs": {**_INT, "minimum": 0, "maximum": SamplingParams.MAX_LOGPROBS},
+        "add_generation_prompt": _BOOL}}
+    tgi = {"type": "object", "required": ["inputs"], "properties": {
+        "inputs": {**_STR, "minLength": 1},
+        "parameters": {"type": "object", "properties": dict(
+            max_new_tokens={**_INT, "minimum": 1}, temperature={**_NUM, "exclusiveMinimum": 0},
+            top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1}, top_k={**_INT, "minimum": 1},
+            repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
+            seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
+            return_full_text=_BOOL, top_n_tokens={**_INT, "minimum": 0, "maximum": SamplingParams.MAX_LOGPROBS})}}}
+    get = {"get": {"responses": {"200": ok_json}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxinfer", "version": "0.1.0",
+                 "description": "OpenAI-compatible and TGI-compatible LLM serving on JAX"},
+        "paths": {
+            "/v1/completions": post("OpenAI text completion", completion),
+            "/v1/chat/completions": post("OpenAI chat completion", chat),
+            "/v1/models": get, "/v1/models/{model}": get,
+            "/generate": post("TGI generate", tgi, stream=False),
+            "/generate_stream": post("TGI generate, streamed", tgi),
+            "/info": get, "/health": {"get": {"responses": {"200": ok_json, "503": err}}},
+            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
+        },
+    }

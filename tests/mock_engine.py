@@ -111,6 +111,7 @@ class _Request:
     metrics: RequestMetrics
     event: asyncio.Event = field(default_factory=asyncio.Event)
     latest: RequestOutput | None = None
+    error: BaseException | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,6 +140,7 @@ class MockAsyncEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.aborted: list[str] = []       # request ids aborted (abort() or generator closed)
+        self.abort_calls: list[str] = []   # every abort request, even for an already finished one
         self.finished: list[str] = []      # request ids that ran to completion
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
@@ -162,16 +164,21 @@ class MockAsyncEngine:
             while True:
                 await req.event.wait()
                 req.event.clear()
+                if req.error is not None:
+                    done = True
+                    raise req.error
                 out = req.latest
                 yield out
                 if out.finished:
                     done = True
                     return
         finally:
-            if not done:
+            if not done:      # closed before the end: as AsyncEngine does, abort it
+                self.abort_calls.append(request_id)
                 self._abort_now(req)
 
     async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
         req = self._requests.get(request_id)
         if req is not None:
             self._abort_now(req)
@@ -200,10 +207,27 @@ class MockAsyncEngine:
     # ------------------------------------------------------------------ test helpers
 
     def kill(self) -> None:
-        """Play a dead engine loop: every request ends, is_dead turns True."""
+        """Play a dead engine loop, as AsyncEngine reports one: is_dead turns True and every
+        request's generator raises EngineDeadError. Safe to call from any thread."""
         self.is_dead = True
+        loop = self._loop_task.get_loop() if self._loop_task is not None else None
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                done = threading.Event()
+                loop.call_soon_threadsafe(lambda: (self._fail_all(), done.set()))
+                done.wait(5)
+                return
+        self._fail_all()
+
+    def _fail_all(self) -> None:
         for req in list(self._requests.values()):
-            self._abort_now(req)
+            self._release(req)
+            req.error = EngineDeadError("engine loop died")
+            req.event.set()
 
     def continuation(self, prompt_ids: list[int], params: SamplingParams, index: int = 0) -> Iterator[int]:
         """The token ids sequence ``index`` of this prompt would produce, before stop handling."""

@@ -296,6 +296,14 @@ def test_tgi_generate(server):
     assert all(isinstance(e["token"]["logprob"], float) for e in events)
 
 
+def test_openapi_schema(server):
+    schema = httpx.get(server.url + "/openapi.json", timeout=5).json()
+    assert schema["openapi"].startswith("3.")
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["required"] == ["messages"]
+
+
 def test_tgi_info(server):
     with httpx.Client(base_url=server.url, timeout=10) as c:
         info = c.get("/info").json()
@@ -322,6 +330,29 @@ def test_health_states():
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
 
+def test_engine_death_mid_request():
+    engine = MockAsyncEngine(step_time=0.01, max_model_len=512)
+    app = build_app(engine)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=5) as c:
+        body = {"prompt": "doomed", "max_tokens": 300, "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            engine.kill()
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"
+
+    engine = MockAsyncEngine(step_time=0.01, max_model_len=512)
+    app2 = build_app(engine)
+    with serve_in_thread(app2) as url, httpx.Client(base_url=url, timeout=5) as c:
+        import threading
+        threading.Timer(0.2, engine.kill).start()
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert c.get("/health").status_code == 503
+    assert app.state.jx.internal_errors == 0 and app2.state.jx.internal_errors == 0
+
+
 def test_health_while_factory_loads():
     def factory():
         time.sleep(0.4)        # a blocking load runs in a worker thread
@@ -334,6 +365,33 @@ def test_health_while_factory_loads():
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
         assert wait_for(lambda: c.get("/health").status_code == 200)
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_finished_requests_are_not_aborted(server, client):
+    """The server runs each engine generator to its end: closing it after the last output
+    would make the engine see an abort (an extra round trip, and a wrong abort count)."""
+    before = len(server.engine.abort_calls)
+    client.completions.create(model=MODEL, prompt="done", max_tokens=3)
+    list(client.completions.create(model=MODEL, prompt="done", max_tokens=3, stream=True))
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                        stream=True, stream_options={"include_usage": True}))
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        c.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+        with c.stream("POST", "/generate_stream", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}) as r:
+            r.read()
+    assert server.engine.abort_calls[before:] == []
+
+
+def test_failed_engine_load_exits_1():
+    from serving.server import run_server
+
+    def factory():
+        raise FileNotFoundError("no such model: /nowhere")
+
+    t0 = time.monotonic()
+    assert run_server(factory, port=free_port(), log_level="critical", access_log=False) == 1
+    assert time.monotonic() - t0 < 5
 
 
 def test_metrics(server, client):
@@ -441,7 +499,7 @@ def test_sigterm_finishes_in_flight_then_exits_0():
     try:
         with httpx.Client(timeout=10) as c:
             with c.stream("POST", url + "/v1/completions", json={"prompt": "bye", "max_tokens": 40,
-                                                                 "stream": True}) as r:
+                                                                 "stream": True, "ignore_eos": True}) as r:
                 lines = r.iter_lines()
                 next(line for line in lines if line.startswith("data: "))
                 proc.send_signal(signal.SIGTERM)

@@ -8,8 +8,11 @@ answers that came from the catch-all) stays zero.
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import json
 import os
+import random
 import sys
 from types import SimpleNamespace
 
@@ -187,6 +190,54 @@ def test_hostile_request(server, case):
         if needle not in BODY_LEVEL:     # the field is named in `param` too
             assert err["param"] is not None and needle in err["param"], err
     assert server.app.state.jx.internal_errors == 0
+
+
+WEIRD = [None, True, False, 0, -1, 1, 2, 2 ** 31, 2 ** 64, -(2 ** 70), 0.5, -0.0, 1e308, -1e308,
+         float("nan"), float("inf"), "", "x", "\u0000", "\ud800", "é" * 3000, [], [1], [-1], ["a"], [[]], [[1, 2]],
+         {}, {"a": 1}, {"type": "text"}, [None], [{"role": "user"}], [{"role": "user", "content": [{}]}]]
+FUZZ_KEYS = {
+    CMPL: ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+           "logprobs", "echo", "stream", "stream_options", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "stop_token_ids", "ignore_eos", "best_of", "suffix", "logit_bias", "user"],
+    CHAT: ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+           "seed", "logprobs", "top_logprobs", "stream", "stream_options", "tools", "tool_choice",
+           "response_format", "add_generation_prompt", "min_p", "top_k"],
+    "/generate": ["inputs", "parameters"],
+    "/generate_stream": ["inputs", "parameters"],
+}
+TGI_PARAM_KEYS = ["max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
+                  "do_sample", "details", "return_full_text", "top_n_tokens", "frequency_penalty", "best_of"]
+
+
+def test_fuzzed_requests_never_500(server):
+    """Random mutations of valid requests (wrong types, odd values, missing fields, NaN,
+    surrogates, ...): every answer is a 200 or a clean 4xx/503, never a 500."""
+    rng = random.Random(1234)
+    valid = [(CMPL, cmpl()), (CMPL, cmpl(stream=True, logprobs=2)), (CHAT, chat()),
+             (CHAT, chat(stream=True, logprobs=True, top_logprobs=2)), ("/generate", tgi(details=True)),
+             ("/generate_stream", tgi())]
+    statuses = collections.Counter()
+    for _ in range(250):
+        path, base = rng.choice(valid)
+        body = copy.deepcopy(base)
+        for _ in range(rng.randint(1, 3)):
+            target, keys = body, FUZZ_KEYS[path]
+            if path.startswith("/generate") and isinstance(body.get("parameters"), dict) and rng.random() < 0.7:
+                target, keys = body["parameters"], TGI_PARAM_KEYS
+            key = rng.choice(keys)
+            if rng.random() < 0.85:
+                target[key] = copy.deepcopy(rng.choice(WEIRD))
+            else:
+                target.pop(key, None)
+        raw = json.dumps(body).encode()          # allow_nan: NaN / Infinity literals go out too
+        r = server.http.post(path, content=raw, headers={"content-type": "application/json"})
+        statuses[r.status_code] += 1
+        assert r.status_code in (200, 400, 422), (r.status_code, raw[:300], r.text[:300])
+        if r.status_code != 200:
+            err = r.json()["error"]
+            assert (err if isinstance(err, str) else err["message"]), raw[:300]
+    assert server.app.state.jx.internal_errors == 0
+    assert statuses[200] > 0 and statuses[400] + statuses[422] > 100, statuses
 
 
 def test_wrong_method(server):

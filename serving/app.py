@@ -219,26 +219,35 @@ def sse(obj: Any) -> bytes:
 class SSEResponse:
     """Streams server-sent events while watching for the client to go away.
 
-    Whichever ends first, the body or the connection, the other is cancelled, and the body
-    generator is closed, which closes the engine's generator and so aborts the request.
+    Whichever ends first, the body or the connection, the other is cancelled; then the body
+    generator is closed and ``on_close`` runs (it closes the engine's generator, which
+    aborts the request if it had not finished), whatever happened, even if the body never
+    started.
     """
 
-    def __init__(self, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         self.body = body
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(wait_disconnect(receive))
+        pump = watch = None
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(wait_disconnect(receive))
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except OSError:      # the client is gone (ASGI 2.4 servers raise from send)
+            pass
         finally:
-            for t in (pump, watch):
+            tasks = [t for t in (pump, watch) if t is not None]
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.body.aclose()
+            if self.on_close is not None:
+                await self.on_close()
 
     async def _pump(self, send: Any) -> None:
         async for chunk in self.body:
@@ -340,7 +349,7 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
     if req.stream:
         body = _stream_tgi(st, engine, req, gen, first, tracker) if tgi else \
             _stream_openai(st, engine, req, gen, first, tracker)
-        return SSEResponse(body)
+        return SSEResponse(body, on_close=lambda: close_gen(gen))
     try:
         final = await race_disconnect(request, _collect(gen, first, tracker))
     except ClientGone:

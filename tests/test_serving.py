@@ -473,6 +473,34 @@ def test_non_streaming_disconnect_aborts():
         assert app.state.jx.internal_errors == 0
 
 
+def test_sse_response_aborts_when_headers_cannot_be_sent():
+    """If the client is gone before the stream starts, the engine's request is still aborted."""
+    from serving.app import SSEResponse, close_gen
+
+    async def main():
+        engine = MockAsyncEngine()
+        gen = engine.generate("x", SamplingParams(max_tokens=50, ignore_eos=True), "r1")
+        await gen.__anext__()
+
+        async def body():
+            yield b"never sent"
+
+        async def send(message):
+            raise OSError("client gone")
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        await SSEResponse(body(), on_close=lambda: close_gen(gen))({}, receive, send)
+        aborted = list(engine.aborted)
+        await engine.shutdown()
+        return engine, aborted
+
+    engine, aborted = asyncio.run(main())
+    assert aborted == ["r1"] and engine.finished == []
+    assert engine.num_free_pages == engine.num_total_pages
+
+
 # ---------------------------------------------------------------------- graceful shutdown
 
 def _start_mock_server(*args):

@@ -1,0 +1,104 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): our float32 model vs HF
+transformers loading the same GGUF (it dequantizes with the same `gguf` package).
+Greedy 64 tokens identical on varied prompts, through the reference generator and the
+continuous-batching engine."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.loading import load_model  # noqa: E402
+from jaxinfer.loading.default import default_model_path  # noqa: E402
+from jaxinfer.reference import ReferenceGenerator  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LONG = (" ".join(f"Clause {i}: the licensee shall keep every notice intact, and redistribution "
+                 "in source or binary form must retain this list of conditions." for i in range(1, 24)))
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Give me three tips for writing clean Python code."}],
+    [{"role": "user", "content": "Écris un court poème sur la mer."}],
+    [{"role": "user", "content": "用一句话解释什么是机器学习。"}],
+]
+RAW = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,",
+    "Summarize the following text.\n\n" + LONG + "\n\nSummary:",
+    "Wie spät ist es? Ich glaube, es ist",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    tok = loaded.tokenizer
+    out = [tok.apply_chat_template(m, add_generation_prompt=True) for m in CHATS]
+    out += [tok.encode(t) for t in RAW]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' own GGUF reader (what ``from_pretrained(gguf_file=...)`` uses, minus its
+    `accelerate` requirement): its config, its dequantized, un-permuted tensors."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=49152))
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    cfg = dict(parsed["config"])
+    cfg.pop("model_type", None)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    return model
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_prompt_set_is_varied(prompts):
+    lens = [len(p) for p in prompts]
+    assert len(prompts) >= 8
+    assert max(lens) >= 380, lens          # the ~400-token prompt
+
+
+def test_logits_match_transformers(loaded, hf_model, prompts):
+    gen = ReferenceGenerator(loaded.model)
+    for ids in prompts[:3]:
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+        got = gen.logits(ids)
+        rel = np.abs(got - ref).max() / np.abs(ref).max()
+        assert rel < 1e-4, rel
+
+
+def test_greedy_64_tokens_identical_to_transformers(loaded, hf_model, prompts):
+    gen = ReferenceGenerator(loaded.model)
+    p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = gen.generate(prompts, [p] * len(prompts), [0] * len(prompts))
+    for i, (ids, row) in enumerate(zip(prompts, ours)):
+        want = hf_greedy(hf_model, ids, 64)
+        assert row.token_ids == want, f"prompt {i}: first difference at " \
+            f"{next(k for k, (a, b) in enumerate(zip(row.token_ids, want)) if a != b)}"

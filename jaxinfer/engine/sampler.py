@@ -1,0 +1,430 @@
+"""On-device sampling: one jittable function serves any mix of requests.
+
+Every ``SamplingParams`` value reaches the device as a per-row array (``SamplingTensors``),
+so greedy, seeded, top-k, top-p, min-p and penalized rows share one executable. The only
+static inputs are the shapes and ``num_logprobs`` (the executable's top-K capacity).
+
+Semantics (decided here, tested in tests/test_sampler.py):
+
+* Order of processing, as in HF ``generate``: penalties -> temperature -> top-k -> top-p
+  (on the top-k-renormalized distribution) -> min-p -> draw. Min-p compares
+  ``p_i >= min_p * p_max``; renormalizing never changes that ratio and top-k / top-p always
+  keep the top token, so min-p acts as an independent mask.
+* Ties are ranked by token id (lower id first), like ``torch.argmax`` and ``lax.top_k``.
+  Top-k keeps exactly the k best ranks; top-p keeps the ranks whose *exclusive* cumulative
+  probability is ``< top_p``: the smallest prefix of the ranking with mass ``>= top_p``,
+  never empty. ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1`` switch a filter off.
+* Greedy rows (``temperature == 0``) take the first maximum of the penalized logits.
+* Randomness: row key = ``fold_in(key(seed), step)`` (threefry), so a row's token depends
+  only on its own logits, parameters, seed and step: not on batch size or neighbours.
+  A 64-bit seed is kept whole (jax's own 32-bit seeding would drop the high word).
+* Logprobs (the chosen token's and the top-K alternatives') come from the raw model
+  logits, before penalties, temperature and filters: vLLM's default ("raw_logprobs").
+
+Cost on a 2-core CPU (V = 49,152) is dominated by passes over [rows, V] arrays, so nothing
+sorts a whole row (a stable sort of [128, V] takes ~1.5 s there), and rows are handled a
+few at a time (see ``sample``). A sampled row takes one of these exact paths, chosen from
+its own parameters only:
+
+* ``1 <= top_k <= topk_cap``: ``lax.top_k(topk_cap)`` candidates hold every token the row
+  can keep; top-p and min-p are applied to the ranked candidates and one uniform picks
+  among them by inverse CDF.
+* otherwise: inverse CDF over the vocabulary in token-id order (one pass for chunk sums,
+  then a two-level search). A larger ``top_k`` is turned into a mask by an exact bisection
+  on the float bit patterns. Top-p is done by rejection: ``num_proposals`` draws from the
+  min-p-filtered distribution are checked for nucleus membership in a single pass
+  (a token is in the nucleus iff the mass ranked above it is ``< top_p``); the first draw
+  that passes is the sample. A row whose draws all fail (probability ``<= (1-top_p)^A``)
+  draws once more from the nucleus mask found by bisection. Either way the token follows
+  the filtered, renormalized distribution exactly (up to float32 rounding: each
+  token's probability is realized to within ~1e-7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxinfer.config import SamplingParams
+
+TOPK_CAP = 128        # rows with 1 <= top_k <= this choose among lax.top_k candidates
+NUM_PROPOSALS = 8     # nucleus rejection draws checked per row in one pass over the vocab
+ROW_BLOCK = 4         # rows per scan step: keeps [rows, V] temporaries small and in cache
+_CHUNK = 128          # vocab chunk for the two-level argmax and inverse-CDF search
+
+
+# ----------------------------------------------------------------------------- tensors
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters for a batch of B rows (numpy on host, jax on device).
+
+    All fields are data, none static: any mix of requests shares one executable.
+    """
+
+    temperature: jax.Array         # f32[B]; 0 = greedy
+    top_k: jax.Array               # i32[B]; <= 0 or >= vocab = off
+    top_p: jax.Array               # f32[B]; >= 1 = off
+    min_p: jax.Array               # f32[B]; 0 = off
+    repetition_penalty: jax.Array  # f32[B]; 1 = off
+    presence_penalty: jax.Array    # f32[B]; 0 = off
+    frequency_penalty: jax.Array   # f32[B]; 0 = off
+    seed: jax.Array                # u32[B, 2]; (high, low) words of the 64-bit seed = key data
+    step: jax.Array                # i32[B]; index of the output token being sampled (0 = first)
+    num_logprobs: jax.Array        # i32[B]; -1 = no logprobs, k >= 0 = chosen + top k
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds: Sequence[int],
+                                 steps: Sequence[int], batch_size: int) -> SamplingTensors:
+    """Host side: numpy arrays for ``batch_size`` rows; missing / None rows are greedy padding.
+
+    ``seeds[i]`` is the row's explicit seed (the engine draws one when ``params.seed`` is
+    None); it is taken modulo 2**64. ``steps[i]`` is the index of the token being sampled.
+    """
+    n = len(params)
+    if n > batch_size:
+        raise ValueError(f"params: {n} rows do not fit batch_size {batch_size}")
+    if len(seeds) != n or len(steps) != n:
+        raise ValueError(f"seeds/steps: need one per row ({n}), got {len(seeds)} and {len(steps)}")
+    f32 = lambda fill: np.full(batch_size, fill, np.float32)  # noqa: E731
+    temp, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
+    rep, pres, freq = f32(1.0), f32(0.0), f32(0.0)
+    top_k = np.zeros(batch_size, np.int32)
+    seed = np.zeros((batch_size, 2), np.uint32)
+    step = np.zeros(batch_size, np.int32)
+    nlp = np.full(batch_size, -1, np.int32)
+    for i, p in enumerate(params):
+        if p is None:
+            continue
+        temp[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
+        top_k[i] = max(p.top_k, 0)
+        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        s = int(seeds[i]) % (1 << 64)
+        seed[i] = (s >> 32, s & 0xFFFFFFFF)
+        step[i] = steps[i]
+        nlp[i] = -1 if p.logprobs is None else p.logprobs
+    return SamplingTensors(temp, top_k, top_p, min_p, rep, pres, freq, seed, step, nlp)
+
+
+# ----------------------------------------------------------------------------- penalties
+
+def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array,
+                    t: SamplingTensors) -> jax.Array:
+    """Repetition (over prompt or output tokens), then frequency and presence (output only).
+
+    logits f32[B, V]; prompt_mask bool[B, V] (token occurs in the prompt); output_counts
+    i32[B, V] (occurrences in the output so far). As vLLM: a seen token's logit is divided
+    by ``repetition_penalty`` when > 0 and multiplied otherwise; then
+    ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    with jax.named_scope("penalties"):
+        out_seen = output_counts > 0
+        rep = t.repetition_penalty[:, None]
+        penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+        logits = jnp.where(prompt_mask | out_seen, penalized, logits)
+        logits = logits - t.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+        return logits - jnp.where(out_seen, t.presence_penalty[:, None], 0.0)
+
+
+def _any_penalty(t: SamplingTensors) -> jax.Array:
+    return jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0)
+                   | (t.frequency_penalty != 0))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _row_uniforms(t: SamplingTensors, n: int) -> jax.Array:
+    """f32[B, n] uniforms in [0, 1): the row's stream for this step, from seed and step only."""
+    keys = jax.random.wrap_key_data(t.seed, impl="threefry2x32")
+    keys = jax.vmap(jax.random.fold_in)(keys, t.step.astype(jnp.uint32))
+    return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(keys)
+
+
+def _first_max_index(x: jax.Array) -> jax.Array:
+    """argmax over the last axis of f32[B, N], first index on ties, like torch.argmax.
+
+    Two levels (chunk maxima, then one chunk): a plain argmax is a slow variadic reduce
+    on XLA:CPU, and max + min-index materializes two [B, N] temporaries.
+    """
+    b, n = x.shape
+    nc = -(-n // _CHUNK)
+    if nc * _CHUNK != n:
+        x = jnp.pad(x, ((0, 0), (0, nc * _CHUNK - n)), constant_values=-jnp.inf)
+    xc = x.reshape(b, nc, _CHUNK)
+    cmax = jnp.max(xc, axis=-1)                                           # [B, nc]
+    m = jnp.max(cmax, axis=-1, keepdims=True)
+    c = jnp.argmax(cmax == m, axis=-1)                                    # first chunk with the max
+    row = jnp.take_along_axis(xc, c[:, None, None], axis=1)[:, 0]         # [B, CHUNK]
+    return (c * _CHUNK + jnp.argmax(row == m, axis=-1)).astype(jnp.int32)
+
+
+def _last_positive_index(w: jax.Array) -> jax.Array:
+    idx = lax.broadcasted_iota(jnp.int32, w.shape, w.ndim - 1)
+    return jnp.max(jnp.where(w > 0, idx, 0), axis=-1)
+
+
+def _search(w: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse CDF: for weights w f32[B, N] >= 0 (some > 0) and uniforms u f32[B, A],
+    the first index whose inclusive cumulative weight exceeds ``u * sum(w)``: i32[B, A].
+
+    Chunk sums, a cumsum over chunks, then a cumsum inside the one chunk hit, so the
+    [B, N] array is read once. The result always has positive weight (rounding clamps).
+    """
+    b, n = w.shape
+    nc = -(-n // _CHUNK)
+    if nc * _CHUNK != n:
+        w = jnp.pad(w, ((0, 0), (0, nc * _CHUNK - n)))
+    wc = w.reshape(b, nc, _CHUNK)
+    sums = jnp.sum(wc, axis=-1)                                           # [B, nc]
+    csum = jnp.cumsum(sums, axis=-1)
+    target = u * csum[:, -1:]                                             # [B, A]
+    chunk = jnp.sum(csum[:, None, :] <= target[:, :, None], axis=-1)     # [B, A]
+    chunk = jnp.minimum(chunk, _last_positive_index(sums)[:, None])
+    prev = jnp.where(chunk > 0, jnp.take_along_axis(csum, jnp.maximum(chunk - 1, 0), axis=1), 0.0)
+    rows = jnp.take_along_axis(wc, chunk[:, :, None], axis=1)            # [B, A, CHUNK]
+    inner = jnp.cumsum(rows, axis=-1)
+    pos = jnp.sum(inner <= (target - prev)[:, :, None], axis=-1)
+    pos = jnp.minimum(pos, _last_positive_index(rows))
+    return (chunk * _CHUNK + pos).astype(jnp.int32)
+
+
+def _ordered_key(s: jax.Array) -> jax.Array:
+    """u32 keys with the order of the float values (-0.0 and +0.0 share one key)."""
+    b = lax.bitcast_convert_type(jnp.where(s == 0, 0.0, s).astype(jnp.float32), jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _bisect_boundary(key: jax.Array, w: jax.Array, thr: jax.Array, eligible: jax.Array) -> jax.Array:
+    """Mask of the shortest prefix of the ranking (value desc, id asc) of ``eligible`` tokens
+    whose weight reaches ``thr``, without sorting: bool[B, V].
+
+    key u32[B, V] (``_ordered_key``), w f32[B, V] >= 0 (zero where not eligible), thr f32[B].
+    The boundary key is the largest t with sum(w[key >= t]) >= thr, found by a 32-step
+    bisection over the u32 range; among tokens tied at t, ids are kept in order while the
+    weight ranked before them is < thr.
+    """
+    lo = jnp.min(jnp.where(eligible, key, jnp.uint32(0xFFFFFFFF)), axis=-1)
+    hi = jnp.max(jnp.where(eligible, key, 0), axis=-1) + jnp.uint32(1)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(jnp.where(key >= mid[:, None], w, 0.0), axis=-1) >= thr
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    t, _ = lax.fori_loop(0, 32, body, (lo, hi))
+    above = key > t[:, None]
+    tie = eligible & (key == t[:, None])
+    w_above = jnp.sum(jnp.where(above, w, 0.0), axis=-1)
+    w_tie = jnp.max(jnp.where(tie, w, 0.0), axis=-1)
+    n_tie = jnp.sum(tie, axis=-1)
+    # the m-th tie is kept while w_above + (m - 1) * w_tie < thr
+    need = jnp.ceil((thr - w_above) / jnp.where(w_tie > 0, w_tie, 1.0))
+    keep_ties = jnp.clip(need, 1, n_tie).astype(jnp.float32)
+    last = _search(tie.astype(jnp.float32), ((keep_ties - 0.5) / n_tie)[:, None])[:, 0]
+    idx = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    return eligible & (above | (tie & (idx <= last[:, None])))
+
+
+# ----------------------------------------------------------------------------- paths
+
+def _sample_from_candidates(s: jax.Array, t: SamplingTensors, u: jax.Array, cap: int) -> jax.Array:
+    """Rows with 1 <= top_k <= cap: every keepable token is among the top ``cap``. i32[B]."""
+    with jax.named_scope("topk_candidates"):
+        # The barrier keeps XLA from merging later slices of the result into the
+        # sort+slice that its CPU TopK rewrite matches: without it a full sort runs (50x).
+        cv, ci = lax.optimization_barrier(lax.top_k(s, cap))        # [B, cap], ranked
+        e = jnp.exp(cv - cv[:, :1])                                 # p / p_max
+        rank = lax.broadcasted_iota(jnp.int32, cv.shape, 1)
+        wk = jnp.where(rank < t.top_k[:, None], e, 0.0)
+        incl = jnp.cumsum(wk, axis=-1)
+        excl = jnp.pad(incl, ((0, 0), (1, 0)))[:, :-1]
+        in_p = (excl < t.top_p[:, None] * incl[:, -1:]) | (t.top_p[:, None] >= 1)
+        keep = (wk > 0) & in_p & (e >= t.min_p[:, None])
+        pos = _search(jnp.where(keep, e, 0.0), u[:, :1])
+        return jnp.take_along_axis(ci, pos, axis=1)[:, 0]
+
+
+def _sample_token_order(s: jax.Array, t: SamplingTensors, u: jax.Array, cap: int,
+                        num_proposals: int) -> jax.Array:
+    """Rows without a small top_k: inverse CDF in token order, top-p by rejection. i32[B]."""
+    b, v = s.shape
+    a = num_proposals
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))            # p / p_max
+    big_k = (t.top_k > cap) & (t.top_k < v)
+    ones = jnp.ones_like(s, dtype=bool)
+    with jax.named_scope("large_top_k"):
+        in_k = lax.cond(jnp.any(big_k),
+                        lambda: _bisect_boundary(_ordered_key(s), jnp.ones_like(s),
+                                                 t.top_k.astype(jnp.float32), ones) | ~big_k[:, None],
+                        lambda: ones)
+    w_k = jnp.where(in_k, e, 0.0)                                   # top-p acts on this
+    w = jnp.where(e >= t.min_p[:, None], w_k, 0.0)                  # draws come from this
+    props = _search(w, u[:, :a])                                    # [B, A]
+    nucleus = t.top_p < 1
+
+    def rejection():
+        with jax.named_scope("nucleus_rejection"):
+            sj = jnp.take_along_axis(s, props, axis=1)              # [B, A]
+            idx = lax.broadcasted_iota(jnp.int32, (1, 1, v), 2)
+            ahead = (s[:, None, :] > sj[:, :, None]) | (
+                (s[:, None, :] == sj[:, :, None]) & (idx < props[:, :, None]))
+            mass_ahead = jnp.sum(jnp.where(ahead, w_k[:, None, :], 0.0), axis=-1)
+            p_mass = t.top_p * jnp.sum(w_k, axis=-1)
+            ok = (mass_ahead < p_mass[:, None]) | ~nucleus[:, None]
+            first = jnp.argmax(ok, axis=1)
+            tok = jnp.take_along_axis(props, first[:, None], axis=1)[:, 0]
+            failed = ~jnp.any(ok, axis=1)
+
+            def fallback():
+                mask = _bisect_boundary(_ordered_key(s), w_k, p_mass, in_k)
+                w2 = jnp.where(mask & (e >= t.min_p[:, None]), e, 0.0)
+                return jnp.where(failed, _search(w2, u[:, a:a + 1])[:, 0], tok)
+
+            return lax.cond(jnp.any(failed), fallback, lambda: tok)
+
+    return lax.cond(jnp.any(nucleus), rejection, lambda: props[:, 0])
+
+
+# ----------------------------------------------------------------------------- sample
+
+class SampleOutput(NamedTuple):
+    token_ids: jax.Array      # i32[B]
+    logprobs: jax.Array       # f32[B]: raw log-probability of the chosen token (0 if not asked)
+    top_ids: jax.Array        # i32[B, K]: most likely raw tokens (zeros where num_logprobs <= 0)
+    top_logprobs: jax.Array   # f32[B, K]: their log-probabilities, descending
+
+
+def _check_shapes(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [batch, vocab], got shape {logits.shape}")
+    b, v = logits.shape
+    for f in dataclasses.fields(t):
+        x = getattr(t, f.name)
+        want = (b, 2) if f.name == "seed" else (b,)
+        if tuple(x.shape) != want:
+            raise ValueError(f"SamplingTensors.{f.name}: expected shape {want}, got {tuple(x.shape)}")
+    if not 0 <= num_logprobs <= v:
+        raise ValueError(f"num_logprobs: must be in [0, vocab={v}], got {num_logprobs}")
+
+
+def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
+           prompt_mask: jax.Array | None = None, output_counts: jax.Array | None = None,
+           topk_cap: int = TOPK_CAP, num_proposals: int = NUM_PROPOSALS,
+           row_block: int = ROW_BLOCK) -> SampleOutput:
+    """Sample one token per row. Jittable; ``num_logprobs`` (the top-K width) and the
+    tuning knobs ``topk_cap``, ``num_proposals``, ``row_block`` are static; everything in
+    ``t`` is data.
+
+    logits f32[B, V] are the raw model logits. With ``prompt_mask`` bool[B, V] and
+    ``output_counts`` i32[B, V] the penalties are applied first. Logprobs always describe
+    the raw logits (``t.num_logprobs`` < 0 rows get zeros).
+
+    Rows are processed ``row_block`` at a time by a ``lax.scan``, grouped by the work they
+    need: XLA:CPU materializes every [rows, V] intermediate (it fuses no elementwise work
+    into reductions), and a whole-batch temporary is fresh memory every call, paid for in
+    page faults; a block's temporaries stay in cache and are reused. Within a block each
+    section (penalties, greedy, sampling paths, logprobs) runs under ``lax.cond`` only if
+    one of its rows needs it.
+    """
+    _check_shapes(logits, t, num_logprobs)
+    if (prompt_mask is None) != (output_counts is None):
+        raise ValueError("prompt_mask and output_counts: pass both or neither")
+    b, v = logits.shape
+    blk = max(d for d in range(1, min(row_block, b) + 1) if b % d == 0)
+    cap = min(topk_cap, v)
+    kw = dict(k=num_logprobs, cap=cap, num_proposals=num_proposals)
+    logits = logits.astype(jnp.float32)
+    # Blocks of rows that take the same path skip the other paths' work: visit rows
+    # grouped by path. Each row's result is independent of its block-mates.
+    order = jnp.argsort(_row_class(t, v, cap), stable=True).astype(jnp.int32)
+
+    def body(carry, rows):                                  # rows: i32[blk]
+        pen = None if prompt_mask is None else (prompt_mask[rows], output_counts[rows])
+        tb = jax.tree.map(lambda a: a[rows], t)
+        return carry, _sample_block(logits[rows], pen, tb, **kw)
+
+    _, out = lax.scan(body, None, order.reshape(b // blk, blk))
+    inverse = jnp.zeros(b, jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
+    return jax.tree.map(lambda a: a.reshape((b,) + a.shape[2:])[inverse], out)
+
+
+def _row_class(t: SamplingTensors, v: int, cap: int) -> jax.Array:
+    """Which sections a row needs, as a sort key: greedy, top-k candidates, token order
+    without / with nucleus; then whether it wants top logprobs; then penalties."""
+    greedy = t.temperature <= 0
+    small_k = (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
+    path = jnp.where(greedy, 0, jnp.where(small_k, 1, jnp.where(t.top_p < 1, 3, 2)))
+    pen = (t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)
+    return path * 4 + (t.num_logprobs > 0) * 2 + pen
+
+
+def _sample_block(raw: jax.Array, pen: tuple[jax.Array, jax.Array] | None, t: SamplingTensors,
+                  k: int, cap: int, num_proposals: int) -> SampleOutput:
+    b, v = raw.shape
+    x = raw
+    if pen is not None:
+        x = lax.cond(_any_penalty(t), lambda: apply_penalties(raw, *pen, t), lambda: raw)
+    greedy = t.temperature <= 0
+    zeros = jnp.zeros(b, jnp.int32)
+    with jax.named_scope("greedy"):
+        tok = lax.cond(jnp.any(greedy), lambda: _first_max_index(x), lambda: zeros)
+
+    def sampled():
+        s = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        u = _row_uniforms(t, num_proposals + 1)
+        small_k = ~greedy & (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
+        other = ~greedy & ~small_k
+        tok_small = lax.cond(jnp.any(small_k), lambda: _sample_from_candidates(s, t, u, cap),
+                             lambda: zeros)
+        tok_other = lax.cond(jnp.any(other),
+                             lambda: _sample_token_order(s, t, u, cap, num_proposals), lambda: zeros)
+        return jnp.where(greedy, tok, jnp.where(small_k, tok_small, tok_other))
+
+    tok = lax.cond(jnp.all(greedy), lambda: tok, sampled)
+    return _logprobs(raw, tok, t, k)
+
+
+def _logprobs(raw: jax.Array, tok: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
+    b = raw.shape[0]
+    with jax.named_scope("logprobs"):
+        def lse():
+            m = jnp.max(raw, axis=-1)
+            return m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))
+
+        lse = lax.cond(jnp.any(t.num_logprobs >= 0), lse, lambda: jnp.zeros(b, jnp.float32))
+        chosen = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0] - lse
+        chosen = jnp.where(t.num_logprobs >= 0, chosen, 0.0)
+        if k == 0:
+            return SampleOutput(tok, chosen, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
+        top_v, top_i = lax.cond(jnp.any(t.num_logprobs > 0),
+                                lambda: lax.optimization_barrier(tuple(lax.top_k(raw, k))),
+                                lambda: (jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)))
+        return SampleOutput(tok, chosen, top_i, top_v - lse[:, None])
+
+
+# ----------------------------------------------------------------------------- transfer
+
+def pack(out: SampleOutput) -> jax.Array:
+    """One i32[B, 2 + 2K] array for a single device->host copy (floats bit-cast)."""
+    f2i = lambda a: lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)  # noqa: E731
+    return jnp.concatenate([out.token_ids[:, None], f2i(out.logprobs)[:, None],
+                            out.top_ids, f2i(out.top_logprobs)], axis=1)
+
+
+def unpack(packed: np.ndarray) -> SampleOutput:
+    """Host side inverse of ``pack``: numpy arrays."""
+    packed = np.asarray(packed, dtype=np.int32)
+    k = (packed.shape[1] - 2) // 2
+    return SampleOutput(packed[:, 0].copy(), packed[:, 1].view(np.float32).copy(),
+                        packed[:, 2:2 + k].copy(), packed[:, 2 + k:].view(np.float32).copy())

@@ -312,6 +312,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
     seed: int = 0                            # base of per-request seeds when none is given
+    # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
+    # tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.
+    batch_invariant: bool = True
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     decode_buckets: tuple[int, ...] | None = None

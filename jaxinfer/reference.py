@@ -1,8 +1,15 @@
 """The reference generator: simple and obviously correct, kept forever as the oracle.
 
-A contiguous KV cache [B, max_len, kv_heads, head_dim] per layer, one jitted prefill over a
-right-padded batch and one jitted decode step, the same on-device sampler as the engine.
-No paging, no scheduling, no buckets: the engine's outputs are tested against this.
+A contiguous KV cache per row (max_len positions, stored as that row's consecutive pages),
+one jitted prefill over a right-padded batch and one jitted decode step, the same
+on-device sampler as the engine. No scheduling, no page allocation, no buckets: the
+engine's outputs are tested against this.
+
+``attention="paged"`` (default) runs the engine's attention function over the contiguous
+pages, so with ``batch_invariant=True`` (the engine's default too) a request's tokens here
+are the same bits as in any engine batch: equality is exact by construction, not luck.
+``attention="dense"`` is a plain masked softmax over the whole cache, an independent
+implementation used by the numerics tests against HF transformers.
 """
 
 from __future__ import annotations
@@ -19,8 +26,13 @@ from flax import nnx
 
 from jaxinfer.config import Logprob, SamplingParams
 from jaxinfer.attention.contiguous import contiguous_attention
+from jaxinfer.attention.xla import ragged_paged_attention
+from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
+from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
+
+PAGE = 16   # the contiguous cache seen as pages (paged attention); a divisor of KV_BLOCK
 
 
 def derive_seed(seed: int | None, index: int) -> int:
@@ -41,14 +53,45 @@ class RowResult:
     stop_reason: int | None = None
 
 
-def _forward_and_sample(graphdef, state, tokens, positions, cache, logits_index,
-                        t: S.SamplingTensors, prompt_mask, counts, *, num_logprobs: int):
+def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len: int,
+                               scale: float, window: int | None):
+    """AttentionFn over per-layer pages [B * max_len / PAGE, PAGE, KVH, D], row b owning
+    pages [b * max_len / PAGE, (b + 1) * max_len / PAGE): the engine's attention on a
+    contiguous layout. tokens are [B * seq] row-major at ``positions`` i32[B, seq]."""
+    B, seq = positions.shape
+    per_row = max_len // PAGE
+    page_table = jnp.arange(B * per_row, dtype=jnp.int32).reshape(B, per_row)
+    slots = (jnp.arange(B, dtype=jnp.int32)[:, None] * max_len + positions).reshape(-1)
+    # Prefill (seq > 1) starts every row at position 0, so its q_len is its kv_len (the
+    # right padding past it gives zero rows); decode adds one token per row.
+    q_lens = kv_lens if seq > 1 else jnp.ones((B,), jnp.int32)
+
+    def attn(layer: int, q, k, v, cache):
+        k_pages, v_pages = kvc.write_kv(cache[0], cache[1], k, v, slots)
+        o = ragged_paged_attention(q, k_pages, v_pages, kv_lens, q_lens, page_table,
+                                   num_decode=B if seq == 1 else 0,
+                                   prefill_chunk=0 if seq == 1 else seq,
+                                   sm_scale=scale, sliding_window=window)
+        return o, (k_pages, v_pages)
+
+    return attn
+
+
+def _forward_and_sample(graphdef, state, tokens, positions, kv_lens, cache, logits_index,
+                        t: S.SamplingTensors, prompt_mask, counts, *, num_logprobs: int,
+                        paged: bool, invariant: bool):
     """tokens, positions i32[B, seq] -> sampled i32[B] (+ logprobs), cache, counts."""
     model = nnx.merge(graphdef, state)
     B, seq = tokens.shape
     cfg = model.cfg
-    attn = contiguous_attention(positions, B, seq, cfg.head_dim ** -0.5, cfg.sliding_window)
-    logits, cache = model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index)
+    scale = cfg.head_dim ** -0.5
+    if paged:
+        max_len = cache[0][0].shape[0] * PAGE // B
+        attn = paged_contiguous_attention(positions, kv_lens, max_len, scale, cfg.sliding_window)
+    else:
+        attn = contiguous_attention(positions, B, seq, scale, cfg.sliding_window)
+    mm = L.tiled_matmul if invariant else L.matmul
+    logits, cache = model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index, mm)
     out = S.sample(logits, t, num_logprobs, prompt_mask=prompt_mask, output_counts=counts)
     counts = counts.at[jnp.arange(B), out.token_ids].add(1)
     return out, cache, counts
@@ -57,15 +100,24 @@ def _forward_and_sample(graphdef, state, tokens, positions, cache, logits_index,
 class ReferenceGenerator:
     """Generates for a list of token-id prompts at once (a padded batch) or one at a time."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, *, attention: str = "paged",
+                 batch_invariant: bool = True):
+        if attention not in ("paged", "dense"):
+            raise ValueError(f"attention: must be 'paged' or 'dense', got {attention!r}")
         self.cfg = model.cfg
         self.dtype = model.dtype
+        self.paged = attention == "paged"
+        self.invariant = batch_invariant
         self.graphdef, self.state = nnx.split(model)
-        self._step = jax.jit(functools.partial(_forward_and_sample, self.graphdef),
+        self._step = jax.jit(functools.partial(_forward_and_sample, self.graphdef,
+                                               paged=self.paged, invariant=batch_invariant),
                              static_argnames=("num_logprobs",), donate_argnames=("cache", "counts"))
 
     def _cache(self, batch: int, max_len: int) -> list[tuple[jax.Array, jax.Array]]:
-        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self.paged:
+            shape = (batch * max_len // PAGE, PAGE, self.cfg.num_kv_heads, self.cfg.head_dim)
+        else:
+            shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
         return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
                 for _ in range(self.cfg.num_layers)]
 
@@ -80,7 +132,8 @@ class ReferenceGenerator:
         if lens.min() < 1:
             raise ValueError("prompt: empty token list")
         seq = int(-(-lens.max() // 16) * 16)            # pad to 16: fewer distinct compiles
-        max_len = int(-(-max(seq, int((lens + [p.max_tokens for p in params]).max())) // 64) * 64)
+        # 128 = the attention's KV block: whole blocks per row keep the cache layout simple.
+        max_len = int(-(-max(seq, int((lens + [p.max_tokens for p in params]).max())) // 128) * 128)
         tokens = np.zeros((B, seq), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p
@@ -94,8 +147,8 @@ class ReferenceGenerator:
         logits_index = np.arange(B, dtype=np.int32) * seq + lens - 1
         steps = np.zeros(B, np.int32)
         t = S.sampling_tensors_from_params(list(params), list(seeds), steps.tolist(), B)
-        out, cache, counts = self._step(self.state, tokens, positions, cache, logits_index, t,
-                                        prompt_mask, counts, num_logprobs=k)
+        out, cache, counts = self._step(self.state, tokens, positions, lens, cache, logits_index,
+                                        t, prompt_mask, counts, num_logprobs=k)
         results = [RowResult([], [] if p.logprobs is not None else None, "length") for p in params]
         done = np.zeros(B, bool)
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
@@ -120,9 +173,9 @@ class ReferenceGenerator:
                 break
             pos = (lens + step).astype(np.int32)[:, None]
             t = S.sampling_tensors_from_params(list(params), list(seeds), [step + 1] * B, B)
-            out, cache, counts = self._step(self.state, tok[:, None].astype(np.int32), pos, cache,
-                                            np.arange(B, dtype=np.int32), t, prompt_mask, counts,
-                                            num_logprobs=k)
+            out, cache, counts = self._step(self.state, tok[:, None].astype(np.int32), pos,
+                                            pos[:, 0] + 1, cache, np.arange(B, dtype=np.int32), t,
+                                            prompt_mask, counts, num_logprobs=k)
         return results
 
     def logits(self, prompt: Sequence[int]) -> np.ndarray:
@@ -131,6 +184,13 @@ class ReferenceGenerator:
         model = nnx.merge(self.graphdef, self.state)
         tokens = jnp.asarray(prompt, jnp.int32)[None]
         positions = jnp.arange(n, dtype=jnp.int32)[None]
-        attn = contiguous_attention(positions, 1, n, self.cfg.head_dim ** -0.5, self.cfg.sliding_window)
-        logits, _ = model(tokens[0], positions[0], self._cache(1, n), attn)
+        scale, window = self.cfg.head_dim ** -0.5, self.cfg.sliding_window
+        if self.paged:
+            max_len = -(-n // 128) * 128
+            attn = paged_contiguous_attention(positions, jnp.array([n], jnp.int32), max_len, scale, window)
+        else:
+            max_len = n
+            attn = contiguous_attention(positions, 1, n, scale, window)
+        mm = L.tiled_matmul if self.invariant else L.matmul
+        logits, _ = model(tokens[0], positions[0], self._cache(1, max_len), attn, None, mm)
         return np.asarray(logits)

@@ -105,7 +105,8 @@ class Engine:
                                    config.max_num_batched_tokens, self.max_model_len, config.max_waiting,
                                    max_prefill_chunk=self.ladders.max_single_chunk,
                                    multi_prefill=self.ladders.max_multi)
-        self.runner = ModelRunner(self.loaded.model, self.kv_spec, config.max_num_seqs + 1, attention)
+        self.runner = ModelRunner(self.loaded.model, self.kv_spec, config.max_num_seqs + 1, attention,
+                                  config.batch_invariant)
         self._free_rows = list(range(config.max_num_seqs, 0, -1))   # row 0: padding sink
         self._rows: dict[int, int] = {}
         self._requests: dict[str, _Request] = {}

@@ -25,6 +25,7 @@ from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args
+from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
 
 NUM_LOGPROBS = 20   # top-K capacity of every executable (SamplingParams.MAX_LOGPROBS)
@@ -70,14 +71,15 @@ def _any_penalty(t: S.SamplingTensors) -> jax.Array:
 
 
 def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
-               bucket: Bucket, attention: Callable):
+               bucket: Bucket, attention: Callable, invariant: bool):
     """One executable per bucket: the model over the ragged batch -> logits f32[S, V]."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg.head_dim ** -0.5,
                               cfg.sliding_window)
-    logits, kv = model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"])
+    mm = L.tiled_matmul if invariant else L.matmul
+    logits, kv = model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm)
     return logits, kv, _update_penalty_state(pen, t, arrays)
 
 
@@ -94,7 +96,7 @@ def sample_fn(logits, pen, rows, t: S.SamplingTensors):
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
-                 attention: str = "auto"):
+                 attention: str = "auto", batch_invariant: bool = True):
         self.cfg = model.cfg
         self.spec = spec
         self.graphdef, self.state = nnx.split(model)
@@ -103,7 +105,8 @@ class ModelRunner:
         V = self.cfg.vocab_size
         self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
         self.num_rows = num_rows
-        self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl),
+        self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl,
+                                                  invariant=batch_invariant),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         self._sample = jax.jit(sample_fn)
         self.executables: dict[Bucket, Any] = {}

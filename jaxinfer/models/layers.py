@@ -67,3 +67,31 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     if name == "gelu":
         return jax.nn.gelu(x, approximate=False)
     return jax.nn.gelu(x, approximate=True)   # gelu_pytorch_tanh
+
+
+# Batch invariance. XLA:CPU picks its dot kernel by the number of rows M: one kernel for
+# M == 1, another for 2 <= M <= 32, another for M >= 33 (measured for every SmolLM2
+# weight shape with K = 576; K = 1536 has only the first split). Each kernel sums over K
+# in its own order, so a token's activations depend on how many other tokens share its
+# step. ``tiled_matmul`` keeps every dot in the 2..32-row regime: a lone row is padded to
+# two, and a larger T is cut into 32-row tiles run one after another (lax.map keeps the
+# HLO small). A row's result is then the same bits whatever else is in the batch.
+INVARIANT_TILE = 32
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant)."""
+    return x @ w
+
+
+def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above)."""
+    T = x.shape[0]
+    if T == 1:
+        return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]
+    if T <= INVARIANT_TILE:
+        return x @ w
+    n = -(-T // INVARIANT_TILE)
+    xp = jnp.pad(x, ((0, n * INVARIANT_TILE - T), (0, 0)))
+    y = jax.lax.map(lambda xt: xt @ w, xp.reshape(n, INVARIANT_TILE, x.shape[1]))
+    return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]

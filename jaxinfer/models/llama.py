@@ -80,6 +80,9 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
+MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]   # x [T, K], w [K, N] -> [T, N]
+
+
 class AttentionFn(Protocol):
     """Attention over a layer's KV cache; the cache layout is the callee's business.
 
@@ -112,14 +115,14 @@ class DecoderLayer(nnx.Module):
         self.index = index
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attn: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+                 attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul) -> tuple[jax.Array, Any]:
         cfg = self.cfg
         T = x.shape[0]
         with jax.named_scope("attention"):
             h = L.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)          # [T, D]
-            q = h @ self.wq[...]                                              # [T, Hq*hd]
-            k = h @ self.wk[...]                                              # [T, Hkv*hd]
-            v = h @ self.wv[...]
+            q = mm(h, self.wq[...])                                              # [T, Hq*hd]
+            k = mm(h, self.wk[...])                                              # [T, Hkv*hd]
+            v = mm(h, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -130,16 +133,16 @@ class DecoderLayer(nnx.Module):
                 k = L.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
             o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
-            o = o.reshape(T, cfg.num_heads * cfg.head_dim) @ self.wo[...]     # [T, D]
+            o = mm(o.reshape(T, cfg.num_heads * cfg.head_dim), self.wo[...])     # [T, D]
             if cfg.o_bias:
                 o = o + self.bo[...]
             x = x + o
         with jax.named_scope("mlp"):
             h = L.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-            g, u = h @ self.w_gate[...], h @ self.w_up[...]                   # [T, F]
+            g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])                   # [T, F]
             if cfg.mlp_bias:
                 g, u = g + self.b_gate[...], u + self.b_up[...]
-            y = (L.activation(cfg.hidden_act, g) * u) @ self.w_down[...]      # [T, D]
+            y = mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...])      # [T, D]
             if cfg.mlp_bias:
                 y = y + self.b_down[...]
             x = x + y
@@ -156,22 +159,24 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
-                 attn: AttentionFn, logits_index: jax.Array | None = None
-                 ) -> tuple[jax.Array, list[Any]]:
+                 attn: AttentionFn, logits_index: jax.Array | None = None,
+                 mm: MatmulFn = L.matmul) -> tuple[jax.Array, list[Any]]:
         """tokens, positions i32[T]; logits_index i32[S] picks the rows whose logits are
-        needed (prompt positions that are not sampled cost no LM-head matmul).
+        needed (prompt positions that are not sampled cost no LM-head matmul). ``mm`` is
+        every weight matmul (``layers.tiled_matmul`` for batch invariance; a quantized
+        matmul plugs in here too).
         Returns (logits f32[S or T, V], updated per-layer caches)."""
         x = self.embed[...][tokens]                                           # [T, D]
         # inv_freq is a numpy constant computed at trace time (not a parameter)
         cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
         new_cache = []
         for layer, c in zip(self.layers, kv_cache):
-            x, c = layer(x, cos, sin, attn, c)
+            x, c = layer(x, cos, sin, attn, c, mm)
             new_cache.append(c)
         if logits_index is not None:
             x = x[logits_index]                                               # [S, D]
         x = L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
-        logits = (x @ self.lm_head[...]).astype(jnp.float32)                  # [S, V]
+        logits = mm(x, self.lm_head[...]).astype(jnp.float32)                 # [S, V]
         return logits, new_cache
 
 

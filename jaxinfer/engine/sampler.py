@@ -26,18 +26,20 @@ sorts a whole row (a stable sort of [128, V] takes ~1.5 s there), and rows are h
 few at a time (see ``sample``). A sampled row takes one of these exact paths, chosen from
 its own parameters only:
 
-* ``1 <= top_k <= topk_cap``: ``lax.top_k(topk_cap)`` candidates hold every token the row
-  can keep; top-p and min-p are applied to the ranked candidates and one uniform picks
-  among them by inverse CDF.
-* otherwise: inverse CDF over the vocabulary in token-id order (one pass for chunk sums,
-  then a two-level search). A larger ``top_k`` is turned into a mask by an exact bisection
-  on the float bit patterns. Top-p is done by rejection: ``num_proposals`` draws from the
-  min-p-filtered distribution are checked for nucleus membership in a single pass
-  (a token is in the nucleus iff the mass ranked above it is ``< top_p``); the first draw
-  that passes is the sample. A row whose draws all fail (probability ``<= (1-top_p)^A``)
-  draws once more from the nucleus mask found by bisection. Either way the token follows
-  the filtered, renormalized distribution exactly (up to float32 rounding: each
-  token's probability is realized to within ~1e-7).
+* ``1 <= top_k <= topk_cap``: the row's top-k candidates (a two-level ``lax.top_k`` of the
+  narrowest width in a small ladder that covers its k) hold every token it can keep; top-p
+  and min-p are applied to the ranked candidates and one uniform picks among them by
+  inverse CDF.
+* otherwise: inverse CDF over the vocabulary in token-id order (chunk sums, then a
+  two-level search). A larger ``top_k`` becomes a mask by an exact bisection on the float
+  bit patterns. Top-p is done by rejection: rounds of ``num_proposals`` draws from the
+  min-p-filtered distribution are checked for nucleus membership in one pass each (a
+  token is in the nucleus iff the mass ranked above it is ``< top_p``); the first draw
+  that passes is the sample. A row whose ``NUM_ROUNDS * num_proposals`` draws all fail
+  (probability ``<= (1 - top_p) ** 12`` by default) draws once more from the nucleus mask
+  found by bisection. Either way the token follows the filtered, renormalized
+  distribution exactly, up to float32 rounding (each token's probability is realized to
+  within about 1e-7).
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ from jax import lax
 
 from jaxinfer.config import SamplingParams
 
-TOPK_CAP = 128        # rows with 1 <= top_k <= this choose among lax.top_k candidates
-NUM_PROPOSALS = 8     # nucleus rejection draws checked per row in one pass over the vocab
+TOPK_CAP = 256        # rows with 1 <= top_k <= this choose among top-k candidates
+NUM_PROPOSALS = 4     # nucleus rejection draws checked per row in one pass over the vocab
+NUM_ROUNDS = 3        # passes of NUM_PROPOSALS draws before the exact bisection fallback
 ROW_BLOCK = 4         # rows per scan step: keeps [rows, V] temporaries small and in cache
 _CHUNK = 128          # vocab chunk for the two-level argmax and inverse-CDF search
+_TOPK_CHUNK = 32      # vocab chunk for the two-level top-k
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -168,6 +172,31 @@ def _first_max_index(x: jax.Array) -> jax.Array:
     return (c * _CHUNK + jnp.argmax(row == m, axis=-1)).astype(jnp.int32)
 
 
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` over the last axis of f32[B, N] (same values, ids and id tie-break),
+    3-4x faster on XLA:CPU for small k: the top k chunk maxima pick the k chunks of
+    _TOPK_CHUNK tokens that hold every top-k token, and only those are ranked.
+
+    (Exact with ties: chunks are ranked by max, then chunk id, and re-sorted by id, so
+    the gathered tokens keep their id order.)
+    """
+    b, n = x.shape
+    nc = -(-n // _TOPK_CHUNK)
+    if k * _TOPK_CHUNK * 2 > n:
+        return lax.optimization_barrier(tuple(lax.top_k(x, k)))
+    if nc * _TOPK_CHUNK != n:
+        x = jnp.pad(x, ((0, 0), (0, nc * _TOPK_CHUNK - n)), constant_values=-jnp.inf)
+    xc = x.reshape(b, nc, _TOPK_CHUNK)
+    # The barriers keep XLA from merging later slices of a result into the sort+slice that
+    # its CPU TopK rewrite matches: without them a full sort runs (50x slower).
+    _, cid = lax.optimization_barrier(tuple(lax.top_k(jnp.max(xc, axis=-1), k)))
+    cid = jnp.sort(cid, axis=-1)                                          # [B, k] ascending
+    g = jnp.take_along_axis(xc, cid[:, :, None], axis=1).reshape(b, k * _TOPK_CHUNK)
+    gv, gi = lax.optimization_barrier(tuple(lax.top_k(g, k)))
+    ids = jnp.take_along_axis(cid, gi // _TOPK_CHUNK, axis=1) * _TOPK_CHUNK + gi % _TOPK_CHUNK
+    return gv, ids.astype(jnp.int32)
+
+
 def _last_positive_index(w: jax.Array) -> jax.Array:
     idx = lax.broadcasted_iota(jnp.int32, w.shape, w.ndim - 1)
     return jnp.max(jnp.where(w > 0, idx, 0), axis=-1)
@@ -181,6 +210,10 @@ def _search(w: jax.Array, u: jax.Array) -> jax.Array:
     [B, N] array is read once. The result always has positive weight (rounding clamps).
     """
     b, n = w.shape
+    if n <= 2 * _CHUNK:                      # small (top-k candidates): one level
+        incl = jnp.cumsum(w, axis=-1)
+        pos = jnp.sum(incl[:, None, :] <= (u * incl[:, -1:])[:, :, None], axis=-1)
+        return jnp.minimum(pos, _last_positive_index(w)[:, None]).astype(jnp.int32)
     nc = -(-n // _CHUNK)
     if nc * _CHUNK != n:
         w = jnp.pad(w, ((0, 0), (0, nc * _CHUNK - n)))
@@ -206,44 +239,66 @@ def _ordered_key(s: jax.Array) -> jax.Array:
 
 def _bisect_boundary(key: jax.Array, w: jax.Array, thr: jax.Array, eligible: jax.Array) -> jax.Array:
     """Mask of the shortest prefix of the ranking (value desc, id asc) of ``eligible`` tokens
-    whose weight reaches ``thr``, without sorting: bool[B, V].
+    whose weight reaches ``thr`` (all of them if none does), without sorting: bool[B, V].
 
     key u32[B, V] (``_ordered_key``), w f32[B, V] >= 0 (zero where not eligible), thr f32[B].
-    The boundary key is the largest t with sum(w[key >= t]) >= thr, found by a 32-step
-    bisection over the u32 range; among tokens tied at t, ids are kept in order while the
-    weight ranked before them is < thr.
+    The boundary value is the largest key t with sum(w[key >= t]) >= thr: a 32-step
+    bisection over the u32 range. Tokens tied at t all weigh the same, so the number of
+    them kept follows by division, and the id of the last one by a bisection over ids.
     """
     lo = jnp.min(jnp.where(eligible, key, jnp.uint32(0xFFFFFFFF)), axis=-1)
     hi = jnp.max(jnp.where(eligible, key, 0), axis=-1) + jnp.uint32(1)
 
-    def body(_, lohi):
+    def value_step(_, lohi):
         lo, hi = lohi
         mid = lo + (hi - lo) // 2
         ok = jnp.sum(jnp.where(key >= mid[:, None], w, 0.0), axis=-1) >= thr
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    t, _ = lax.fori_loop(0, 32, body, (lo, hi))
+    t, _ = lax.fori_loop(0, 32, value_step, (lo, hi))
     above = key > t[:, None]
     tie = eligible & (key == t[:, None])
     w_above = jnp.sum(jnp.where(above, w, 0.0), axis=-1)
     w_tie = jnp.max(jnp.where(tie, w, 0.0), axis=-1)
-    n_tie = jnp.sum(tie, axis=-1)
-    # the m-th tie is kept while w_above + (m - 1) * w_tie < thr
+    # the m-th tie (by id) is kept while w_above + (m - 1) * w_tie < thr
     need = jnp.ceil((thr - w_above) / jnp.where(w_tie > 0, w_tie, 1.0))
-    keep_ties = jnp.clip(need, 1, n_tie).astype(jnp.float32)
-    last = _search(tie.astype(jnp.float32), ((keep_ties - 0.5) / n_tie)[:, None])[:, 0]
+    keep = jnp.clip(need, 1, jnp.sum(tie, axis=-1)).astype(jnp.int32)
     idx = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+
+    def id_step(_, lohi):                   # smallest id with `keep` ties at or below it
+        lo, hi = lohi
+        mid = (lo + hi) // 2
+        ok = jnp.sum(tie & (idx <= mid[:, None]), axis=-1) >= keep
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    n = key.shape[1]
+    last, _ = lax.fori_loop(0, max(n - 1, 1).bit_length(), id_step,
+                            (jnp.zeros_like(keep), jnp.full_like(keep, n - 1)))
     return eligible & (above | (tie & (idx <= last[:, None])))
 
 
 # ----------------------------------------------------------------------------- paths
 
 def _sample_from_candidates(s: jax.Array, t: SamplingTensors, u: jax.Array, cap: int) -> jax.Array:
-    """Rows with 1 <= top_k <= cap: every keepable token is among the top ``cap``. i32[B]."""
-    with jax.named_scope("topk_candidates"):
-        # The barrier keeps XLA from merging later slices of the result into the
-        # sort+slice that its CPU TopK rewrite matches: without it a full sort runs (50x).
-        cv, ci = lax.optimization_barrier(lax.top_k(s, cap))        # [B, cap], ranked
+    """Rows with 1 <= top_k <= cap: every keepable token is among the top ``cap``. i32[B].
+
+    A top-k costs more the wider it is, so each row uses the narrowest width of a ladder
+    that covers its top_k (rows are grouped by top_k, so a block rarely needs two). The
+    width is the row's own choice: its float sums never depend on its neighbours.
+    """
+    widths = sorted({c for c in (cap // 16, cap // 4, cap) if c >= 1})
+    rung = jnp.sum(t.top_k[:, None] > jnp.array(widths[:-1], jnp.int32), axis=1)
+    tok = jnp.zeros(s.shape[0], jnp.int32)
+    for i, width in enumerate(widths):
+        mine = (rung == i) & (t.top_k >= 1) & (t.top_k <= cap)
+        tok_i = lax.cond(jnp.any(mine), lambda w=width: _sample_from_top(s, t, u, w), lambda: tok)
+        tok = jnp.where(mine, tok_i, tok)
+    return tok
+
+
+def _sample_from_top(s: jax.Array, t: SamplingTensors, u: jax.Array, width: int) -> jax.Array:
+    with jax.named_scope(f"top{width}_candidates"):
+        cv, ci = _top_k(s, width)                                   # [B, width], ranked
         e = jnp.exp(cv - cv[:, :1])                                 # p / p_max
         rank = lax.broadcasted_iota(jnp.int32, cv.shape, 1)
         wk = jnp.where(rank < t.top_k[:, None], e, 0.0)
@@ -257,9 +312,11 @@ def _sample_from_candidates(s: jax.Array, t: SamplingTensors, u: jax.Array, cap:
 
 def _sample_token_order(s: jax.Array, t: SamplingTensors, u: jax.Array, cap: int,
                         num_proposals: int) -> jax.Array:
-    """Rows without a small top_k: inverse CDF in token order, top-p by rejection. i32[B]."""
+    """Rows without a small top_k: inverse CDF in token order, top-p by rejection. i32[B].
+
+    u f32[B, NUM_ROUNDS * num_proposals + 1]: the row's uniforms, used in order.
+    """
     b, v = s.shape
-    a = num_proposals
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))            # p / p_max
     big_k = (t.top_k > cap) & (t.top_k < v)
     ones = jnp.ones_like(s, dtype=bool)
@@ -270,30 +327,46 @@ def _sample_token_order(s: jax.Array, t: SamplingTensors, u: jax.Array, cap: int
                         lambda: ones)
     w_k = jnp.where(in_k, e, 0.0)                                   # top-p acts on this
     w = jnp.where(e >= t.min_p[:, None], w_k, 0.0)                  # draws come from this
-    props = _search(w, u[:, :a])                                    # [B, A]
     nucleus = t.top_p < 1
 
     def rejection():
-        with jax.named_scope("nucleus_rejection"):
-            sj = jnp.take_along_axis(s, props, axis=1)              # [B, A]
-            idx = lax.broadcasted_iota(jnp.int32, (1, 1, v), 2)
-            ahead = (s[:, None, :] > sj[:, :, None]) | (
-                (s[:, None, :] == sj[:, :, None]) & (idx < props[:, :, None]))
-            mass_ahead = jnp.sum(jnp.where(ahead, w_k[:, None, :], 0.0), axis=-1)
-            p_mass = t.top_p * jnp.sum(w_k, axis=-1)
-            ok = (mass_ahead < p_mass[:, None]) | ~nucleus[:, None]
-            first = jnp.argmax(ok, axis=1)
-            tok = jnp.take_along_axis(props, first[:, None], axis=1)[:, 0]
-            failed = ~jnp.any(ok, axis=1)
+        p_mass = t.top_p * jnp.sum(w_k, axis=-1)
+        # rows without a nucleus accept their first draw
+        tok, done = _nucleus_rejection(s, w, w_k, jnp.where(nucleus, p_mass, jnp.inf), u, num_proposals)
 
-            def fallback():
+        def fallback():
+            with jax.named_scope("nucleus_bisection"):
                 mask = _bisect_boundary(_ordered_key(s), w_k, p_mass, in_k)
                 w2 = jnp.where(mask & (e >= t.min_p[:, None]), e, 0.0)
-                return jnp.where(failed, _search(w2, u[:, a:a + 1])[:, 0], tok)
+                return jnp.where(done, tok, _search(w2, u[:, -1:])[:, 0])
 
-            return lax.cond(jnp.any(failed), fallback, lambda: tok)
+        return lax.cond(jnp.all(done), lambda: tok, fallback)
 
-    return lax.cond(jnp.any(nucleus), rejection, lambda: props[:, 0])
+    return lax.cond(jnp.any(nucleus), rejection, lambda: _search(w, u[:, :1])[:, 0])
+
+
+def _nucleus_rejection(s: jax.Array, w: jax.Array, w_k: jax.Array, p_mass: jax.Array,
+                       u: jax.Array, a: int) -> tuple[jax.Array, jax.Array]:
+    """Up to NUM_ROUNDS rounds of ``a`` draws from ``w``; a draw j is accepted iff the
+    ``w_k`` mass ranked above it (value desc, id asc) is < p_mass. Rounds stop once every
+    row has accepted one; each row keeps its first accepted draw. Returns (tok, done)."""
+    b, v = s.shape
+    idx = lax.broadcasted_iota(jnp.int32, (1, 1, v), 2)
+
+    def round_(carry):
+        r, tok, done = carry
+        props = _search(w, lax.dynamic_slice_in_dim(u, r * a, a, axis=1))       # [B, A]
+        sj = jnp.take_along_axis(s, props, axis=1)
+        ahead = (s[:, None, :] > sj[:, :, None]) | ((s[:, None, :] == sj[:, :, None]) & (idx < props[:, :, None]))
+        ok = jnp.sum(jnp.where(ahead, w_k[:, None, :], 0.0), axis=-1) < p_mass[:, None]
+        first = jnp.take_along_axis(props, jnp.argmax(ok, axis=1)[:, None], axis=1)[:, 0]
+        tok = jnp.where(done, tok, first)
+        return r + 1, tok, done | jnp.any(ok, axis=1)
+
+    with jax.named_scope("nucleus_rejection"):
+        _, tok, done = lax.while_loop(lambda c: (c[0] < NUM_ROUNDS) & ~jnp.all(c[2]), round_,
+                                      (0, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)))
+    return tok, done
 
 
 # ----------------------------------------------------------------------------- sample
@@ -360,11 +433,11 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
 
 
 def _row_class(t: SamplingTensors, v: int, cap: int) -> jax.Array:
-    """Which sections a row needs, as a sort key: greedy, top-k candidates, token order
-    without / with nucleus; then whether it wants top logprobs; then penalties."""
+    """Which sections a row needs, as a sort key: greedy, top-k candidates (by top_k),
+    token order without / with nucleus; then whether it wants top logprobs; then penalties."""
     greedy = t.temperature <= 0
-    small_k = (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
-    path = jnp.where(greedy, 0, jnp.where(small_k, 1, jnp.where(t.top_p < 1, 3, 2)))
+    small_k = ~greedy & (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
+    path = jnp.where(greedy, 0, jnp.where(small_k, t.top_k, jnp.where(t.top_p < 1, cap + 2, cap + 1)))
     pen = (t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)
     return path * 4 + (t.num_logprobs > 0) * 2 + pen
 
@@ -382,7 +455,7 @@ def _sample_block(raw: jax.Array, pen: tuple[jax.Array, jax.Array] | None, t: Sa
 
     def sampled():
         s = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
-        u = _row_uniforms(t, num_proposals + 1)
+        u = _row_uniforms(t, NUM_ROUNDS * num_proposals + 1)
         small_k = ~greedy & (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
         other = ~greedy & ~small_k
         tok_small = lax.cond(jnp.any(small_k), lambda: _sample_from_candidates(s, t, u, cap),
@@ -408,7 +481,7 @@ def _logprobs(raw: jax.Array, tok: jax.Array, t: SamplingTensors, k: int) -> Sam
         if k == 0:
             return SampleOutput(tok, chosen, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
         top_v, top_i = lax.cond(jnp.any(t.num_logprobs > 0),
-                                lambda: lax.optimization_barrier(tuple(lax.top_k(raw, k))),
+                                lambda: _top_k(raw, k),
                                 lambda: (jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)))
         return SampleOutput(tok, chosen, top_i, top_v - lse[:, None])
 

@@ -1,0 +1,125 @@
+"""The device side of the paged KV cache: its shape, its allocation, the pure write.
+
+Layout (fixed across the project): per layer one ``k_pages`` and one ``v_pages`` array of
+``[num_pages, page_size, num_kv_heads, head_dim]``. The whole cache is a Python list over
+layers of ``(k_pages, v_pages)`` tuples — a pytree the step takes and hands back (donated).
+
+Why a list and not one stacked ``[L, num_pages, ...]`` array: the model unrolls its layers,
+and with a list every layer's pages are a buffer of their own, so the per-layer scatter
+(write_kv) updates in place and the attention gathers straight from it. Measured in
+benchmarks/attention_cpu.py ("cache layout"): stacked arrays indexed by a static layer cost
+the same or more and gain nothing on CPU.
+
+Page 0 is the padding sink: padded tokens of a step carry a slot inside page 0, unused
+page-table entries point at page 0, and nothing ever reads it as real data (the attention
+masks every position past a sequence's kv_len with a select, so even NaN there is harmless).
+The host-side allocator (engine/block_manager.py) never hands page 0 out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KVCache = list  # list over layers of (k_pages, v_pages), each [N, page_size, KVH, D]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of the paged cache. Every field is static: it fixes the cache's array shapes."""
+
+    num_layers: int
+    num_pages: int          # including page 0, the padding sink
+    page_size: int          # tokens per page
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"KVCacheSpec.{name}: must be a positive integer, got {v!r}")
+        if self.num_pages < 2:
+            raise ValueError(f"KVCacheSpec.num_pages: need at least 2 (page 0 is the padding "
+                             f"sink), got {self.num_pages}")
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        return (self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one page id costs across the whole model: K and V, every layer."""
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @classmethod
+    def num_pages_for_budget(cls, budget_bytes: int, *, num_layers: int, page_size: int,
+                             num_kv_heads: int, head_dim: int, dtype: Any = jnp.float32) -> int:
+        """How many pages (page 0 included) fit in ``budget_bytes`` of K+V over all layers."""
+        per = cls(num_layers, 2, page_size, num_kv_heads, head_dim, dtype).bytes_per_page
+        n = int(budget_bytes) // per
+        if n < 2:
+            raise ValueError(f"kv cache budget: {budget_bytes} bytes hold {n} page(s) of "
+                             f"{per} bytes; need at least 2 (page 0 is the padding sink)")
+        return n
+
+    def with_budget(self, budget_bytes: int) -> "KVCacheSpec":
+        """This spec with ``num_pages`` set from a byte budget."""
+        n = self.num_pages_for_budget(budget_bytes, num_layers=self.num_layers,
+                                      page_size=self.page_size, num_kv_heads=self.num_kv_heads,
+                                      head_dim=self.head_dim, dtype=self.dtype)
+        return KVCacheSpec(self.num_layers, n, self.page_size, self.num_kv_heads, self.head_dim,
+                           self.dtype)
+
+
+def allocate_kv_cache(spec: KVCacheSpec) -> KVCache:
+    """Zero-filled pages: a list over layers of (k_pages, v_pages)."""
+    shape = (spec.num_pages, *spec.page_shape)
+    return [(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))
+            for _ in range(spec.num_layers)]
+
+
+def kv_cache_shapes(spec: KVCacheSpec) -> KVCache:
+    """The cache as ShapeDtypeStructs (for ahead-of-time lowering without allocating)."""
+    s = jax.ShapeDtypeStruct((spec.num_pages, *spec.page_shape), jnp.dtype(spec.dtype))
+    return [(s, s) for _ in range(spec.num_layers)]
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V rows into their pages.
+
+    k_pages, v_pages: [N, page_size, KVH, D]; k_new, v_new: [T, KVH, D];
+    slot_mapping: i32[T], slot = page_id * page_size + offset. Padded tokens carry a slot
+    inside page 0 (several may share one: page 0 holds garbage by design).
+
+    Under jit with the pages donated this is an in-place scatter of T rows: its cost does
+    not grow with the cache (benchmarks/attention_cpu.py, "write_kv").
+    """
+    N, P, KVH, D = k_pages.shape
+    if k_new.shape[1:] != (KVH, D) or v_new.shape != k_new.shape:
+        raise ValueError(f"write_kv: k_new/v_new must be [T, {KVH}, {D}], got "
+                         f"{k_new.shape} and {v_new.shape}")
+    if slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"write_kv: slot_mapping must be i32[{k_new.shape[0]}], got "
+                         f"{slot_mapping.shape}")
+    # [N, P, KVH, D] -> [N*P, KVH, D] is a bitcast; the scatter then writes whole
+    # [KVH, D] rows. Slots are in bounds by construction (the batch builder makes them).
+    kf = k_pages.reshape(N * P, KVH, D).at[slot_mapping].set(
+        k_new.astype(k_pages.dtype), mode="promise_in_bounds")
+    vf = v_pages.reshape(N * P, KVH, D).at[slot_mapping].set(
+        v_new.astype(v_pages.dtype), mode="promise_in_bounds")
+    return kf.reshape(N, P, KVH, D), vf.reshape(N, P, KVH, D)

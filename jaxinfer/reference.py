@@ -77,8 +77,8 @@ def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len
     return attn
 
 
-def _forward_and_sample(graphdef, state, tokens, positions, kv_lens, cache, logits_index,
-                        t: S.SamplingTensors, prompt_mask, counts, *, num_logprobs: int,
+def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
+                        t: S.SamplingTensors, prompt_mask, counts, *, graphdef, num_logprobs: int,
                         paged: bool, invariant: bool):
     """tokens, positions i32[B, seq] -> sampled i32[B] (+ logprobs), cache, counts."""
     model = nnx.merge(graphdef, state)
@@ -97,6 +97,17 @@ def _forward_and_sample(graphdef, state, tokens, positions, kv_lens, cache, logi
     return out, cache, counts
 
 
+# One jitted function for every generator: generators of the same model structure share
+# their compiled executables (the graphdef is a hashable static argument).
+_STEP = jax.jit(_forward_and_sample, static_argnames=("graphdef", "num_logprobs", "paged", "invariant"),
+                donate_argnames=("cache", "counts"))
+
+
+def _pad_len(n: int, minimum: int) -> int:
+    """Next power of two >= max(n, minimum): a short ladder of shapes, few compiles."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
 class ReferenceGenerator:
     """Generates for a list of token-id prompts at once (a padded batch) or one at a time."""
 
@@ -109,9 +120,8 @@ class ReferenceGenerator:
         self.paged = attention == "paged"
         self.invariant = batch_invariant
         self.graphdef, self.state = nnx.split(model)
-        self._step = jax.jit(functools.partial(_forward_and_sample, self.graphdef,
-                                               paged=self.paged, invariant=batch_invariant),
-                             static_argnames=("num_logprobs",), donate_argnames=("cache", "counts"))
+        self._step = functools.partial(_STEP, graphdef=self.graphdef, paged=self.paged,
+                                       invariant=batch_invariant)
 
     def _cache(self, batch: int, max_len: int) -> list[tuple[jax.Array, jax.Array]]:
         if self.paged:
@@ -131,9 +141,9 @@ class ReferenceGenerator:
         lens = np.array([len(p) for p in prompts], np.int32)
         if lens.min() < 1:
             raise ValueError("prompt: empty token list")
-        seq = int(-(-lens.max() // 16) * 16)            # pad to 16: fewer distinct compiles
-        # 128 = the attention's KV block: whole blocks per row keep the cache layout simple.
-        max_len = int(-(-max(seq, int((lens + [p.max_tokens for p in params]).max())) // 128) * 128)
+        seq = _pad_len(int(lens.max()), 16)
+        # >= 128, a multiple of the attention's KV block: whole blocks per row.
+        max_len = _pad_len(max(seq, int((lens + [p.max_tokens for p in params]).max())), 128)
         tokens = np.zeros((B, seq), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p

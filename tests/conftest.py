@@ -14,3 +14,14 @@ def default_gguf_path() -> str:
         return default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole session: engines and generators
+    built by different tests compile identical executables once (the cold-start figure is
+    measured by benchmarks, not here)."""
+    import tempfile
+
+    from jaxinfer.engine.engine import enable_compilation_cache
+
+    enable_compilation_cache(tempfile.mkdtemp(prefix="jaxinfer-xla-cache-"))

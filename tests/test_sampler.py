@@ -40,11 +40,14 @@ def run(logits, params, seeds=None, steps=None, prompt=None, counts=None, batch_
     seeds = list(range(n)) if seeds is None else seeds
     steps = [0] * n if steps is None else steps
     t = S.sampling_tensors_from_params(params, seeds, steps, batch_size)
-    pm = np.zeros((batch_size, V_PAD), bool)
-    oc = np.zeros((batch_size, V_PAD), np.int32)
+    # penalty state as a runner keeps it: more rows than the batch, indexed by penalty_rows
+    rows = np.arange(batch_size, dtype=np.int32)[::-1] + 3
+    pm = np.zeros((batch_size + 3, V_PAD), bool)
+    oc = np.zeros((batch_size + 3, V_PAD), np.int32)
+    oc[:3] = 7                                              # rows no one reads
     if prompt is not None:
-        pm[:n, :prompt.shape[1]], oc[:n, :counts.shape[1]] = prompt, counts
-    out = _sample(x, t, num_logprobs=SMALL_K, prompt_mask=pm, output_counts=oc, **kw)
+        pm[rows[:n], :prompt.shape[1]], oc[rows[:n], :counts.shape[1]] = prompt, counts
+    out = _sample(x, t, num_logprobs=SMALL_K, prompt_mask=pm, output_counts=oc, penalty_rows=rows, **kw)
     return S.SampleOutput(*(np.asarray(a)[:n] for a in out))
 
 
@@ -388,3 +391,6 @@ def test_shape_errors_name_the_field():
         S.sampling_tensors_from_params([SP()] * 3, [0] * 3, [0] * 3, 2)
     with pytest.raises(ValueError, match="prompt_mask"):
         S.sample(np.zeros((2, 8), np.float32), t, prompt_mask=np.zeros((2, 8), bool))
+    with pytest.raises(ValueError, match="penalty_rows"):
+        S.sample(np.zeros((2, 8), np.float32), t, prompt_mask=np.zeros((5, 8), bool),
+                 output_counts=np.zeros((5, 8), np.int32), penalty_rows=np.zeros(3, np.int32))

@@ -45,7 +45,7 @@ its own parameters only:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -391,17 +391,44 @@ def _check_shapes(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> N
         raise ValueError(f"num_logprobs: must be in [0, vocab={v}], got {num_logprobs}")
 
 
+def _check_penalty_state(prompt_mask, output_counts, penalty_rows, b: int, v: int):
+    if prompt_mask is None and output_counts is None:
+        if penalty_rows is not None:
+            raise ValueError("penalty_rows: given without prompt_mask and output_counts")
+        return None
+    if prompt_mask is None or output_counts is None:
+        raise ValueError("prompt_mask and output_counts: pass both or neither")
+    for name, a in (("prompt_mask", prompt_mask), ("output_counts", output_counts)):
+        if a.ndim != 2 or a.shape[1] != v:
+            raise ValueError(f"{name}: expected [rows, vocab={v}], got shape {tuple(a.shape)}")
+    if prompt_mask.shape != output_counts.shape:
+        raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} and output_counts "
+                         f"{tuple(output_counts.shape)}: shapes differ")
+    if penalty_rows is None:
+        if prompt_mask.shape[0] != b:
+            raise ValueError(f"prompt_mask: {prompt_mask.shape[0]} rows for {b} logits rows "
+                             "(pass penalty_rows to index a larger state)")
+        penalty_rows = jnp.arange(b, dtype=jnp.int32)
+    elif tuple(penalty_rows.shape) != (b,):
+        raise ValueError(f"penalty_rows: expected shape ({b},), got {tuple(penalty_rows.shape)}")
+    return prompt_mask, output_counts, penalty_rows
+
+
 def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
            prompt_mask: jax.Array | None = None, output_counts: jax.Array | None = None,
+           penalty_rows: jax.Array | None = None,
            topk_cap: int = TOPK_CAP, num_proposals: int = NUM_PROPOSALS,
            row_block: int = ROW_BLOCK) -> SampleOutput:
     """Sample one token per row. Jittable; ``num_logprobs`` (the top-K width) and the
     tuning knobs ``topk_cap``, ``num_proposals``, ``row_block`` are static; everything in
     ``t`` is data.
 
-    logits f32[B, V] are the raw model logits. With ``prompt_mask`` bool[B, V] and
-    ``output_counts`` i32[B, V] the penalties are applied first. Logprobs always describe
-    the raw logits (``t.num_logprobs`` < 0 rows get zeros).
+    logits f32[B, V] are the raw model logits. With ``prompt_mask`` bool[R, V] and
+    ``output_counts`` i32[R, V] the penalties are applied first; logits row i reads penalty
+    row ``penalty_rows[i]`` (i32[B]; default: R == B and row i), so a runner can pass its
+    whole per-slot penalty state without gathering it (a gather would be a fresh [B, V]
+    temporary). Those rows are read only when a row has a penalty. Logprobs always
+    describe the raw logits (``t.num_logprobs`` < 0 rows get zeros).
 
     Rows are processed ``row_block`` at a time by a ``lax.scan``, grouped by the work they
     need: XLA:CPU materializes every [rows, V] intermediate (it fuses no elementwise work
@@ -411,9 +438,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     one of its rows needs it.
     """
     _check_shapes(logits, t, num_logprobs)
-    if (prompt_mask is None) != (output_counts is None):
-        raise ValueError("prompt_mask and output_counts: pass both or neither")
     b, v = logits.shape
+    pen = _check_penalty_state(prompt_mask, output_counts, penalty_rows, b, v)
     blk = max(d for d in range(1, min(row_block, b) + 1) if b % d == 0)
     cap = min(topk_cap, v)
     kw = dict(k=num_logprobs, cap=cap, num_proposals=num_proposals)
@@ -423,9 +449,9 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     order = jnp.argsort(_row_class(t, v, cap), stable=True).astype(jnp.int32)
 
     def body(carry, rows):                                  # rows: i32[blk]
-        pen = None if prompt_mask is None else (prompt_mask[rows], output_counts[rows])
         tb = jax.tree.map(lambda a: a[rows], t)
-        return carry, _sample_block(logits[rows], pen, tb, **kw)
+        pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], pen[1][pen[2][rows]]))
+        return carry, _sample_block(logits[rows], pen_of, tb, **kw)
 
     _, out = lax.scan(body, None, order.reshape(b // blk, blk))
     inverse = jnp.zeros(b, jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
@@ -442,12 +468,13 @@ def _row_class(t: SamplingTensors, v: int, cap: int) -> jax.Array:
     return path * 4 + (t.num_logprobs > 0) * 2 + pen
 
 
-def _sample_block(raw: jax.Array, pen: tuple[jax.Array, jax.Array] | None, t: SamplingTensors,
-                  k: int, cap: int, num_proposals: int) -> SampleOutput:
+def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Array]] | None,
+                  t: SamplingTensors, k: int, cap: int, num_proposals: int) -> SampleOutput:
+    """One block of rows; ``pen_of()`` gathers the block's penalty state."""
     b, v = raw.shape
     x = raw
-    if pen is not None:
-        x = lax.cond(_any_penalty(t), lambda: apply_penalties(raw, *pen, t), lambda: raw)
+    if pen_of is not None:
+        x = lax.cond(_any_penalty(t), lambda: apply_penalties(raw, *pen_of(), t), lambda: raw)
     greedy = t.temperature <= 0
     zeros = jnp.zeros(b, jnp.int32)
     with jax.named_scope("greedy"):

@@ -7,7 +7,6 @@ renormalized distribution; seeds are fixed, so every test is deterministic.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +33,15 @@ def pad_vocab(logits):
 
 def run(logits, params, seeds=None, steps=None, prompt=None, counts=None, batch_size=SMALL_B, **kw):
     """Rows of ``logits`` (vocab <= V_PAD) in a batch of ``batch_size`` (rest is padding)."""
+    args, kwargs = batch(logits, params, seeds, steps, prompt, counts, batch_size)
+    out = _sample(*args, num_logprobs=SMALL_K, **kwargs, **kw)
+    return S.SampleOutput(*(np.asarray(a)[:len(params)] for a in out))
+
+
+def batch(logits, params, seeds=None, steps=None, prompt=None, counts=None, batch_size=SMALL_B):
     n = len(params)
     x = pad_vocab(logits)
-    x = np.concatenate([x, np.zeros((batch_size - n, V_PAD), np.float32)])
+    x = np.concatenate([x, np.zeros((batch_size - len(x), V_PAD), np.float32)])
     seeds = list(range(n)) if seeds is None else seeds
     steps = [0] * n if steps is None else steps
     t = S.sampling_tensors_from_params(params, seeds, steps, batch_size)
@@ -47,8 +52,7 @@ def run(logits, params, seeds=None, steps=None, prompt=None, counts=None, batch_
     oc[:3] = 7                                              # rows no one reads
     if prompt is not None:
         pm[rows[:n], :prompt.shape[1]], oc[rows[:n], :counts.shape[1]] = prompt, counts
-    out = _sample(x, t, num_logprobs=SMALL_K, prompt_mask=pm, output_counts=oc, penalty_rows=rows, **kw)
-    return S.SampleOutput(*(np.asarray(a)[:n] for a in out))
+    return (x, t), dict(prompt_mask=pm, output_counts=oc, penalty_rows=rows)
 
 
 def softmax(x):
@@ -204,11 +208,15 @@ def test_bisect_boundary_matches_sorted_reference():
     w = np.exp(s - s.max(axis=1, keepdims=True)).astype(np.float32)
     eligible = rng.random((b, v)) < 0.8
     eligible[:, 0] = True
+    ks = [1, 7, 50, 150, 299, 3]
+    # one executable: rows 0-5 weighted (three thresholds), rows 6-11 counting (top-k)
     f = jax.jit(lambda s, w, thr, el: S._bisect_boundary(S._ordered_key(s), jnp.where(el, w, 0), thr, el))
+    wel = np.where(eligible, w, 0)
     for thr_frac in (0.05, 0.3, 0.77):
-        wel = np.where(eligible, w, 0)
         thr = (thr_frac * wel.sum(axis=1)).astype(np.float32)
-        mask = np.asarray(f(s, w, thr, eligible))
+        mask = np.asarray(f(np.concatenate([s, s]), np.concatenate([w, np.ones_like(w)]),
+                            np.concatenate([thr, np.float32(ks)]),
+                            np.concatenate([eligible, np.ones_like(eligible)])))
         for r in range(b):
             order = [i for i in np.lexsort((np.arange(v), -s[r].astype(np.float64))) if eligible[r, i]]
             acc, keep = 0.0, set()
@@ -217,12 +225,9 @@ def test_bisect_boundary_matches_sorted_reference():
                     keep.add(i)
                 acc += float(wel[r, i])
             assert set(np.flatnonzero(mask[r])) == keep, (r, thr_frac)
-    ks = [1, 7, 50, 150, 299, 3]
-    counts = np.asarray(jax.jit(lambda s, k: S._bisect_boundary(
-        S._ordered_key(s), jnp.ones_like(s), k, jnp.ones(s.shape, bool)))(s, np.float32(ks)))
-    for r, k in enumerate(ks):
-        order = np.lexsort((np.arange(v), -s[r].astype(np.float64)))
-        assert set(np.flatnonzero(counts[r])) == set(order[:k])
+        for r, k in enumerate(ks):
+            order = np.lexsort((np.arange(v), -s[r].astype(np.float64)))
+            assert set(np.flatnonzero(mask[b + r])) == set(order[:k])
 
 
 def test_search_lands_on_positive_weight():
@@ -251,7 +256,8 @@ def test_penalties_equal_hand_computation():
     for r, p in enumerate(ps):
         for i in range(6):
             if prompt[r, i] or counts[r, i] > 0:
-                want[r, i] = want[r, i] / p.repetition_penalty if want[r, i] > 0 else want[r, i] * p.repetition_penalty
+                rep = p.repetition_penalty
+                want[r, i] = want[r, i] / rep if want[r, i] > 0 else want[r, i] * rep
             want[r, i] -= p.frequency_penalty * counts[r, i] + p.presence_penalty * (counts[r, i] > 0)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # inside sample: greedy follows the penalized logits, logprobs stay raw
@@ -281,7 +287,8 @@ def test_seeded_rows_are_independent_of_batch():
     shuffled = run(logits[perm], [ps[i] for i in perm], [seeds[i] for i in perm], [steps[i] for i in perm])
     np.testing.assert_array_equal(shuffled.token_ids, full[perm])
     # fewer rows, greedy neighbours: the sampled rows must not notice
-    mixed = run(logits[:3], [SP(temperature=0), ps[1], ps[2]], [0, seeds[1], seeds[2]], [0, steps[1], steps[2]])
+    mixed = run(logits[:3], [SP(temperature=0), ps[1], ps[2]], [0, seeds[1], seeds[2]],
+                [0, steps[1], steps[2]])
     np.testing.assert_array_equal(mixed.token_ids[1:3], full[1:3])
 
 
@@ -293,9 +300,11 @@ def test_seeded_rows_are_independent_of_batch_on_every_path():
              SP(temperature=0), SP(min_p=0.2), SP(top_k=9, min_p=0.1, temperature=3.0), SP(top_p=0.95)]
     ps = [kinds[i % 8] for i in range(EMP_N)]
     seeds, steps = list(range(EMP_N)), [i % 5 for i in range(EMP_N)]
-    draw = lambda idx: np.asarray(_sample(  # noqa: E731
-        x[idx], S.sampling_tensors_from_params([ps[i] for i in idx], [seeds[i] for i in idx],
-                                               [steps[i] for i in idx], EMP_N), row_block=64, **TIGHT).token_ids)
+    def draw(idx):
+        t = S.sampling_tensors_from_params([ps[i] for i in idx], [seeds[i] for i in idx],
+                                           [steps[i] for i in idx], EMP_N)
+        return np.asarray(_sample(x[idx], t, row_block=64, **TIGHT).token_ids)
+
     base = draw(np.arange(EMP_N))
     perm = rng.permutation(EMP_N)
     np.testing.assert_array_equal(draw(perm), base[perm])
@@ -335,10 +344,11 @@ def test_logprobs_are_raw_log_softmax_and_sorted():
         np.testing.assert_allclose(out.top_logprobs[r], np.sort(lsm[r])[::-1][:SMALL_K], atol=1e-5)
         assert np.all(np.diff(out.top_logprobs[r]) <= 0)
     assert out.logprobs[3] == 0.0                                  # not requested
-    t = S.sampling_tensors_from_params(ps, [0, 1, 2, 3], [0] * 4, 4)
-    empty = jax.jit(lambda x, t: S.sample(x, t, 0))(logits, t)
-    assert empty.top_ids.shape == (4, 0) and empty.top_logprobs.shape == (4, 0)
-    assert empty.logprobs[0] == pytest.approx(lsm[0, int(empty.token_ids[0])], abs=1e-5)
+    # num_logprobs=0 (the empirical harness's executable): chosen logprob only, empty tops
+    t = S.sampling_tensors_from_params([ps[0]] * EMP_N, list(range(EMP_N)), [0] * EMP_N, EMP_N)
+    empty = _sample(np.broadcast_to(logits[0], (EMP_N, V_PAD)), t, row_block=64)
+    assert empty.top_ids.shape == (EMP_N, 0) and empty.top_logprobs.shape == (EMP_N, 0)
+    np.testing.assert_allclose(empty.logprobs, lsm[0, np.asarray(empty.token_ids)], atol=1e-5)
 
 
 def test_pack_unpack_round_trip():
@@ -367,14 +377,13 @@ def test_one_executable_serves_any_mix():
     logits = np.random.default_rng(6).normal(size=(SMALL_B, V_PAD)).astype(np.float32)
     pm, oc = np.zeros((SMALL_B, V_PAD), bool), np.zeros((SMALL_B, V_PAD), np.int32)
     oc[:, :3] = 1
-    t0 = S.sampling_tensors_from_params([], [], [], SMALL_B)          # all padding
-    compiled = jax.jit(functools.partial(S.sample, num_logprobs=SMALL_K)).lower(
-        logits, t0, prompt_mask=pm, output_counts=oc).compile()
+    (x, t0), kw = batch(logits, [])                                   # all padding
+    compiled = _sample.lower(x, t0, num_logprobs=SMALL_K, **kw).compile()
     mixes = [[SP(temperature=0)] * 4, [SP(top_k=5), SP(top_p=0.5), SP(min_p=0.2), SP(top_k=100, top_p=0.9)],
              [SP(repetition_penalty=1.3, logprobs=2), SP(), SP(temperature=0), SP(top_k=1)]]
     for ps in mixes:
-        got = compiled(logits, S.sampling_tensors_from_params(ps * 2, range(8), range(8), SMALL_B),
-                       prompt_mask=pm, output_counts=oc)
+        args, kw = batch(logits, ps * 2, list(range(8)), list(range(8)), prompt=pm, counts=oc)
+        got = compiled(*args, **kw)
         want = run(logits, ps * 2, list(range(8)), list(range(8)), prompt=pm, counts=oc)
         np.testing.assert_array_equal(np.asarray(got.token_ids), want.token_ids)
 

@@ -357,7 +357,8 @@ def _nucleus_rejection(s: jax.Array, w: jax.Array, w_k: jax.Array, p_mass: jax.A
         r, tok, done = carry
         props = _search(w, lax.dynamic_slice_in_dim(u, r * a, a, axis=1))       # [B, A]
         sj = jnp.take_along_axis(s, props, axis=1)
-        ahead = (s[:, None, :] > sj[:, :, None]) | ((s[:, None, :] == sj[:, :, None]) & (idx < props[:, :, None]))
+        sv, sj = s[:, None, :], sj[:, :, None]                                    # [B, 1, V], [B, A, 1]
+        ahead = (sv > sj) | ((sv == sj) & (idx < props[:, :, None]))              # ranked above draw
         ok = jnp.sum(jnp.where(ahead, w_k[:, None, :], 0.0), axis=-1) < p_mass[:, None]
         first = jnp.take_along_axis(props, jnp.argmax(ok, axis=1)[:, None], axis=1)[:, 0]
         tok = jnp.where(done, tok, first)

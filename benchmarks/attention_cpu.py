@@ -170,6 +170,9 @@ def section_decode():
     mn = res["engine (xla.ragged_paged_attention)"][0]
     print(f"  real K+V bytes per layer {real / 1e6:.1f} MB -> engine streams "
           f"{real / mn / 1e6:.1f} GB/s")
+    args16, _ = make_decode(dtype=jnp.bfloat16)
+    eng = fns["engine (xla.ragged_paged_attention)"]
+    timed({"engine, f32 cache": eng, "engine, bf16 cache": lambda *a: eng(*args16)}, args)
     sums = jax.jit(lambda ks, vs: [k.sum() + v.sum() for k, v in zip(ks, vs)])
     timed({"floor: reduce-sum of each layer's whole K and V": lambda *a: sums(a[1], a[2])}, args)
 
@@ -244,14 +247,18 @@ def section_write():
 
 
 def section_layout():
-    print("\n== cache layout in a 30-layer step: write 32 tokens + decode attention ==")
+    print("\n== cache layout in a 30-layer step: write 32 tokens + decode attention, per layer ==")
     args, _ = make_decode()
     q, ks, vs, kv_lens, q_lens, pt = args
-    rng = np.random.default_rng(3)
     slots = jnp.asarray((np.asarray(pt)[:, 0] * 16 + 15).astype(np.int32))
-    kn = jnp.asarray(rng.standard_normal((32, KVH, D), np.float32))
+    kn = jnp.asarray(np.random.default_rng(3).standard_normal((32, KVH, D), np.float32))
 
-    def step_list(q, cache):
+    def attn_only(q, cache, kv_lens, q_lens, pt, slots, kn):
+        for k, v in cache:
+            q = engine_decode(q, k, v, kv_lens, q_lens, pt)
+        return q, cache
+
+    def step_list(q, cache, kv_lens, q_lens, pt, slots, kn):
         out = []
         for k, v in cache:
             k, v = kvc.write_kv(k, v, kn, kn, slots)
@@ -259,32 +266,36 @@ def section_layout():
             out.append((k, v))
         return q, out
 
-    def step_stacked(q, cache):
+    def write_stacked(K, i, slots, kn):
+        L, N, ps = K.shape[:3]
+        return K.reshape(L, N * ps, KVH, D).at[i, slots].set(kn).reshape(K.shape)
+
+    def step_stacked(q, cache, kv_lens, q_lens, pt, slots, kn):
         K, V = cache
         for i in range(LAYERS):
-            k, v = kvc.write_kv(K[i], V[i], kn, kn, slots)
-            K, V = K.at[i].set(k), V.at[i].set(v)
+            K, V = write_stacked(K, i, slots, kn), write_stacked(V, i, slots, kn)
             q = engine_decode(q, K[i], V[i], kv_lens, q_lens, pt)
         return q, (K, V)
 
-    def step_scan(q, cache):
+    def step_scan(q, cache, kv_lens, q_lens, pt, slots, kn):
         def body(q, kv):
             k, v = kvc.write_kv(kv[0], kv[1], kn, kn, slots)
             return engine_decode(q, k, v, kv_lens, q_lens, pt), (k, v)
-        q, kv = jax.lax.scan(body, q, cache)
-        return q, kv
+        return jax.lax.scan(body, q, cache)
 
-    for name, fn, cache in (("list of (k, v) per layer [engine]", step_list, list(zip(ks, vs))),
-                            ("stacked [L, ...], static index", step_stacked,
-                             (jnp.stack(ks), jnp.stack(vs))),
-                            ("stacked [L, ...], lax.scan over layers", step_scan,
-                             (jnp.stack(ks), jnp.stack(vs)))):
+    as_list = lambda: [(k + 0, v + 0) for k, v in zip(ks, vs)]         # noqa: E731
+    as_stack = lambda: (jnp.stack(ks), jnp.stack(vs))                  # noqa: E731
+    for name, fn, make in (("attention only (no write), list", attn_only, as_list),
+                           ("list of (k, v) per layer [engine]", step_list, as_list),
+                           ("stacked [L, ...], static layer index", step_stacked, as_stack),
+                           ("stacked [L, ...], lax.scan over layers", step_scan, as_stack)):
         f = jax.jit(fn, donate_argnums=(1,))
-        q2, cache = f(q, cache)
+        cache = make()
+        q2, cache = f(q, cache, kv_lens, q_lens, pt, slots, kn)
         ts = []
         for _ in range(8):
             t = time.perf_counter()
-            q2, cache = f(q, cache)
+            q2, cache = f(q, cache, kv_lens, q_lens, pt, slots, kn)
             jax.block_until_ready(q2)
             ts.append((time.perf_counter() - t) * 1e3 / LAYERS)
         print(f"  {name:44s} {min(ts):8.3f} ms   (median {np.median(ts):.3f})", flush=True)

@@ -43,6 +43,8 @@ page table's width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -94,6 +96,8 @@ def _check(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int,
                          f"{num_decode} + {S - num_decode} * {prefill_chunk} = {want}")
 
 
+@functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
+                                             "sliding_window", "soft_cap"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array, *,
                            num_decode: int, prefill_chunk: int, sm_scale: float,
@@ -196,10 +200,10 @@ def _kv_loop(qk, qpos, row_ok, lo, hi, k_pages, v_pages, kv_lens, pt, *, blk: in
         pages = lax.dynamic_index_in_dim(pt, b, axis=1, keepdims=False)      # [S, ppb]
         kvpos = b * blk + jnp.arange(blk)                                     # [blk]
         kv_ok = kvpos[None, :] < kv_lens[:, None]                             # [S, blk]
-        kb = k_pages[pages].reshape(S, blk, KVH, D)
-        vb = v_pages[pages].reshape(S, blk, KVH, D)
-        kb = kb.astype(jnp.float32).transpose(0, 2, 3, 1)                     # [S, KVH, D, blk]
-        vb = jnp.where(kv_ok[:, :, None, None], vb.astype(jnp.float32), 0.0)
+        kb = _gather_f32(k_pages, pages).reshape(S, blk, KVH, D)
+        vb = _gather_f32(v_pages, pages).reshape(S, blk, KVH, D)
+        kb = kb.transpose(0, 2, 3, 1)                                          # [S, KVH, D, blk]
+        vb = jnp.where(kv_ok[:, :, None, None], vb, 0.0)
         vb = vb.transpose(0, 2, 1, 3)                                          # [S, KVH, blk, D]
         s = jnp.einsum("skmd,skdn->skmn", qk, kb) * sm_scale                  # [S, KVH, Mb, blk]
         if soft_cap is not None:
@@ -220,6 +224,24 @@ def _kv_loop(qk, qpos, row_ok, lo, hi, k_pages, v_pages, kv_lens, pt, *, blk: in
             jnp.zeros((S, KVH, Mb, D), jnp.float32))
     m, l, acc = lax.fori_loop(lo, hi, body, init)
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+def _gather_f32(pages_arr: jax.Array, pages: jax.Array) -> jax.Array:
+    """pages_arr[pages] as f32.
+
+    XLA:CPU has no bf16 gather: gathering a bf16 cache makes it convert the WHOLE cache
+    to f32 on every layer (hoisted out of the loop), ~4x slower than an f32 cache at
+    SmolLM2 decode shapes. Gathering the uint16 bits and widening with a shift is faster,
+    but the bf16 -> uint16 bitcast of the cache is still a whole-cache copy per layer on
+    XLA:CPU (~2.5x slower than f32, measured in benchmarks/attention_cpu.py). So on CPU
+    keep the KV cache in f32; bf16 pages pay off only where gathers are native (TPU/GPU).
+    """
+    if pages_arr.dtype == jnp.float32:
+        return pages_arr[pages]
+    if pages_arr.dtype == jnp.bfloat16:
+        bits = lax.bitcast_convert_type(pages_arr, jnp.uint16)[pages]
+        return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+    return pages_arr[pages].astype(jnp.float32)
 
 
 def _tree_sum(x: jax.Array) -> jax.Array:

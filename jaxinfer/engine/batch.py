@@ -44,6 +44,12 @@ class Bucket:
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
 
+    @property
+    def sample_rows(self) -> int:
+        """Rows the sampler sees: num_seqs rounded up to a power of two, so the sampler
+        (slow to compile) has a handful of executables, not one per bucket."""
+        return 1 << (self.num_seqs - 1).bit_length()
+
 
 @dataclass(frozen=True, slots=True)
 class BucketLadders:

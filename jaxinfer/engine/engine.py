@@ -230,7 +230,7 @@ class Engine:
     def _sampling_tensors(self, batch):
         from jaxinfer.engine import sampler as S
 
-        n = batch.bucket.num_seqs
+        n = batch.bucket.sample_rows
         params: list[SamplingParams | None] = [None] * n
         seeds, steps = [0] * n, [0] * n
         for slot, e in batch.entries:

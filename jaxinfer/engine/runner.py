@@ -80,17 +80,15 @@ def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.Samp
                               cfg.sliding_window)
     mm = L.tiled_matmul if invariant else L.matmul
     logits, kv = model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm)
+    logits = jnp.pad(logits, ((0, bucket.sample_rows - bucket.num_seqs), (0, 0)))   # [S', V]
     return logits, kv, _update_penalty_state(pen, t, arrays)
 
 
 def sample_fn(logits, pen, rows, t: S.SamplingTensors):
-    """One executable per number of slots S (not per bucket: the sampler is slow to
-    compile and only depends on S): penalties + sampling + logprobs, packed."""
-
-    def rows_of(x):
-        return lax.cond(_any_penalty(t), lambda: x[rows], lambda: jnp.zeros((rows.shape[0],) + x.shape[1:], x.dtype))
-
-    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=rows_of(pen[0]), output_counts=rows_of(pen[1]))
+    """One executable per sampler width S' (Bucket.sample_rows), not per bucket: the
+    sampler is slow to compile. logits [S', V], rows i32[S'] (each slot's penalty-state
+    row) -> packed i32[S', 2 + 2K]."""
+    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1], penalty_rows=rows)
     return S.pack(out)
 
 
@@ -121,7 +119,7 @@ class ModelRunner:
                   "logits_index": i32(Sn), "rows": i32(Sn),
                   "reset_rows": jax.ShapeDtypeStruct((Sn,), bool), "token_rows": i32(T),
                   "token_is_output": jax.ShapeDtypeStruct((T,), bool)}
-        t = S.sampling_tensors_from_params([], [], [], Sn)
+        t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
         t = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         return (jax.tree.map(shape, self.state), jax.tree.map(shape, self.kv),
@@ -134,10 +132,11 @@ class ModelRunner:
             if b not in self.executables:
                 args = self._abstract_args(b)
                 self.executables[b] = self._forward.lower(*args, bucket=b).compile()
-            if b.num_seqs not in self.samplers:
-                _, _, pen, arrays, t = self._abstract_args(b)
-                logits = jax.ShapeDtypeStruct((b.num_seqs, self.cfg.vocab_size), jnp.float32)
-                self.samplers[b.num_seqs] = self._sample.lower(logits, pen, arrays["rows"], t).compile()
+            if b.sample_rows not in self.samplers:
+                _, _, pen, _, t = self._abstract_args(b)
+                logits = jax.ShapeDtypeStruct((b.sample_rows, self.cfg.vocab_size), jnp.float32)
+                rows = jax.ShapeDtypeStruct((b.sample_rows,), jnp.int32)
+                self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t).compile()
             if progress:
                 progress(i + 1, len(buckets), b)
         self.compile_seconds += time.perf_counter() - t0
@@ -148,7 +147,10 @@ class ModelRunner:
         exe = self.executables.get(batch.bucket)
         if exe is None:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
-        arrays, t = jax.device_put((as_device_args(batch), t))   # one transfer, used twice
+        b = batch.bucket
+        sample_rows = np.zeros(b.sample_rows, np.int32)
+        sample_rows[:b.num_seqs] = batch.rows
+        arrays, t, sample_rows = jax.device_put((as_device_args(batch), t, sample_rows))
         logits, self.kv, self.pen = exe(self.state, self.kv, self.pen, arrays, t)
-        packed = self.samplers[batch.bucket.num_seqs](logits, self.pen, arrays["rows"], t)
+        packed = self.samplers[batch.bucket.sample_rows](logits, self.pen, sample_rows, t)
         return np.asarray(packed)

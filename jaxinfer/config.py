@@ -304,6 +304,9 @@ class EngineConfig:
     dtype: str = "float32"
     page_size: int = 16
     kv_cache_memory: int | None = None       # bytes for K and V pages, all layers
+    # Without kv_cache_memory: this fraction of the device's free memory where the backend
+    # reports it (GPU/TPU), else DEFAULT_KV_CACHE_MEMORY (CPU).
+    kv_cache_memory_fraction: float = 0.9
     num_pages: int | None = None             # overrides kv_cache_memory (tests)
     max_num_seqs: int = 64                   # sequences in one step
     max_num_batched_tokens: int = 512        # tokens in one step (chunked prefill budget)
@@ -337,5 +340,7 @@ class EngineConfig:
             v = getattr(self, name)
             _require(v is None or (isinstance(v, int) and v >= 1), name,
                      f"must be a positive integer or None, got {v!r}")
+        _require(0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction",
+                 f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")

@@ -117,19 +117,23 @@ def _ceil_in(ladder: Seq[int], n: int, what: str) -> int:
 def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
                     max_num_batched_tokens: int) -> BucketLadders:
     """Powers of two for decode up to max_num_seqs; a coarser ladder when prefill rides
-    along; single-slot chunks of 32/128/up-to-budget and a 4-slot shape for short prompts;
-    two page-table widths (short contexts pay for short gathers)."""
+    along; single-slot chunks of 32/128/up-to-budget and a 4-slot shape for short prompts.
+
+    One page-table width: the attention loops over KV blocks up to the longest live
+    sequence at run time, so a wider table costs only its int32 entries, not compute.
+    """
     decode = sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
-    mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
+    if max_num_seqs == 1:
+        mixed = [0]                     # one sequence: prefilling means nothing decodes
+    else:
+        mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
     big = max(32, min(512, max_num_batched_tokens))
     single = sorted({c for c in (32, 128, big) if c <= big})
     shapes = [(1, c) for c in single]
     if max_num_seqs >= 4 and big >= 128:
         shapes.append((4, 32))
     full = -(-max_model_len // page_size)
-    short = min(full, max(1, 512 // page_size))
-    return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)),
-                         tuple(sorted({short, full})))
+    return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)), (full,))
 
 
 @dataclass

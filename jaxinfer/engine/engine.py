@@ -95,8 +95,7 @@ class Engine:
                                  mc.max_position_embeddings)
         dtype = self.loaded.model.dtype
         probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_pages = config.num_pages or max(2, (config.kv_cache_memory or EngineConfig.DEFAULT_KV_CACHE_MEMORY)
-                                            // probe.bytes_per_page)
+        num_pages = config.num_pages or max(2, kv_budget(config) // probe.bytes_per_page)
         self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads,
                                        mc.head_dim, dtype)
         self.ladders = self._ladders()
@@ -352,6 +351,23 @@ class Engine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
         }
+
+
+def kv_budget(config: EngineConfig) -> int:
+    """Bytes for the KV pages: the configured size, or a fraction of the device's free
+    memory where the backend reports it (weights are already resident), else a default."""
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = int(free * config.kv_cache_memory_fraction)
+        log.info("KV cache: %.2f GiB (%.0f%% of free device memory)", budget / 2**30,
+                 100 * config.kv_cache_memory_fraction)
+        return budget
+    return EngineConfig.DEFAULT_KV_CACHE_MEMORY
 
 
 def enable_compilation_cache(path: str) -> None:

@@ -8,6 +8,7 @@ conditions and frees finished sequences' pages.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -81,9 +82,9 @@ class Engine:
         from jaxinfer.engine.runner import ModelRunner
         from jaxinfer.loading import load_model
 
-        config = config or EngineConfig(**overrides)
-        if overrides and config is not None and not isinstance(config, EngineConfig):
-            raise ValueError("config: pass an EngineConfig or keyword overrides")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)

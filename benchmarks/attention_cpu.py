@@ -30,15 +30,18 @@ NEG = -jnp.inf
 
 
 def timed(fns: dict, args, rounds: int = 6, per: int = 2, scale: float = 1.0 / LAYERS) -> dict:
-    """Round-robin timing; prints and returns {name: (min, median)} in ms (per layer)."""
-    for f in fns.values():
-        jax.block_until_ready(f(*args))
+    """Round-robin timing; prints and returns {name: (min, median)} in ms (per layer).
+
+    ``args`` is shared, or a dict giving each name its own arguments."""
+    argd = args if isinstance(args, dict) else {k: args for k in fns}
+    for k, f in fns.items():
+        jax.block_until_ready(f(*argd[k]))
     ts = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
             for _ in range(per):
                 t = time.perf_counter()
-                jax.block_until_ready(f(*args))
+                jax.block_until_ready(f(*argd[k]))
                 ts[k].append((time.perf_counter() - t) * 1e3 * scale)
     res = {k: (min(v), float(np.median(v))) for k, v in ts.items()}
     for k, (mn, med) in res.items():
@@ -97,10 +100,11 @@ def naive_decode(q, k, v, kv_lens, q_lens, pt):
     return jnp.einsum("skgl,slkd->skgd", p, vg).reshape(S, H, D)
 
 
-def blocked_decode(q, k, v, kv_lens, q_lens, pt, *, form: str, blk: int = 128):
-    """The engine's block loop with another per-block formulation:
+def blocked_decode(q, k, v, kv_lens, q_lens, pt, *, form: str, blk: int = xla.KV_BLOCK):
+    """The engine's block loop with another per-block formulation, gathering whole pages
+    (the engine gathers token rows, see xla._gather_block):
 
-    kT_vT   K gathered to [S,KVH,D,blk], V to [S,KVH,blk,D] (the engine's choice)
+    kT_vT   K gathered to [S,KVH,D,blk], V to [S,KVH,blk,D] (the engine's layout)
     nt      K and V both gathered to [S,KVH,blk,D]; scores 'skmd,sknd' (K transposed in the dot)
     natural no transposes: dots over the gathered [S,blk,KVH,D] ('skmd,snkd', XLA transposes)
     waste   [S,blk*KVH,D] as one GEMM operand per sequence, all 9 heads against all 3 KV
@@ -170,18 +174,18 @@ def section_decode():
     mn = res["engine (xla.ragged_paged_attention)"][0]
     print(f"  real K+V bytes per layer {real / 1e6:.1f} MB -> engine streams "
           f"{real / mn / 1e6:.1f} GB/s")
-    args16, _ = make_decode(dtype=jnp.bfloat16)
     eng = fns["engine (xla.ragged_paged_attention)"]
-    timed({"engine, f32 cache": eng, "engine, bf16 cache": lambda *a: eng(*args16)}, args)
+    timed({"engine, f32 cache": eng, "engine, bf16 cache": eng},
+          {"engine, f32 cache": args, "engine, bf16 cache": make_decode(dtype=jnp.bfloat16)[0]})
     sums = jax.jit(lambda ks, vs: [k.sum() + v.sum() for k, v in zip(ks, vs)])
     timed({"floor: reduce-sum of each layer's whole K and V": lambda *a: sums(a[1], a[2])}, args)
 
 
 def section_pagesize():
     print("\n== decode, page size (same sequences, same 512-token table width) ==")
-    for ps in (16, 32, 64):
-        args, _ = make_decode(ps=ps, max_pages=512 // ps)
-        timed({f"page_size {ps}": over_layers(engine_decode)}, args)
+    f = over_layers(engine_decode)
+    argd = {f"page_size {ps}": make_decode(ps=ps, max_pages=512 // ps)[0] for ps in (16, 32, 64)}
+    timed({k: f for k in argd}, argd)
 
 
 def section_block():

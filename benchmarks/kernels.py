@@ -1,0 +1,309 @@
+"""Kernel benchmarks: our Pallas kernels against JAX's bundled ones, and the CPU quantized path.
+
+    python benchmarks/kernels.py               # on a TPU / GPU: attention + quantized matmul
+    python benchmarks/kernels.py --cpu-quant   # on CPU: f32 vs int8 vs int4 weights (XLA path)
+
+On a TPU or GPU it times, on the same inputs:
+  * attention: ``ragged_paged_attention_tpu`` vs ``jax.experimental.pallas.ops.tpu.
+    ragged_paged_attention`` (TPU), ``ragged_paged_attention_gpu`` vs ``...ops.gpu.
+    paged_attention`` (GPU, decode only: the bundled GPU kernel has no prefill), for decode
+    batches and a mixed decode + prefill step;
+  * quantized matmul: ``quantized_matmul_tpu/gpu`` int8 and int4 vs a plain bf16 dot;
+and reports achieved memory bandwidth (bytes that must cross HBM / time) as a fraction of
+the chip's peak (table below, by ``device_kind``).
+
+On CPU it says that it needs an accelerator and exits 0, unless ``--cpu-quant``: then it
+times ``quantized_matmul_xla`` at SmolLM2-135M's shapes against f32 weights. Each timed
+function chains many distinct weight matrices (so weights stream from DRAM, not L3), and
+the "decode pass" runs every matmul of one SmolLM2 decode step (30 layers x 7 + the LM
+head) for a weight-streaming bound on tokens/s. Variants are timed round-robin and the
+minimum is reported: this VM drifts by tens of percent, compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pallas_kernels.quantized_matmul import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
+                                             quantized_matmul_xla)
+
+# Peak HBM bandwidth, bytes/s, by jax device_kind (substring match, first hit wins).
+PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12), ("L4", 0.3e12),
+           ("TPU v6", 1.64e12), ("TPU v5p", 2.76e12), ("TPU v5", 0.82e12),
+           ("TPU v4", 1.2e12)]
+
+
+def peak_bandwidth(kind: str) -> float | None:
+    return next((bw for k, bw in PEAK_BW if k.lower() in kind.lower()), None)
+
+
+def timed(fns: dict, args: dict, rounds: int = 8) -> dict:
+    """Round-robin timing, returns {name: min seconds}."""
+    for k, f in fns.items():
+        jax.block_until_ready(f(*args[k]))
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args[k]))
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
+# ---------------------------------------------------------------------------------------
+# Accelerator: attention
+# ---------------------------------------------------------------------------------------
+
+def _attention_inputs(rng, *, S, num_decode, chunk, kv_len, H, KVH, D, ps, dtype):
+    need = -(-kv_len // ps)
+    N = S * need + 1
+    pt = (1 + np.arange(S * need, dtype=np.int32)).reshape(S, need)
+    rng.shuffle(pt.reshape(-1))
+    T = num_decode + (S - num_decode) * chunk
+    q = jnp.asarray(rng.standard_normal((T, H, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((N, ps, KVH, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((N, ps, KVH, D)), dtype)
+    q_lens = np.array([1] * num_decode + [chunk] * (S - num_decode), np.int32)
+    kv_lens = np.full(S, kv_len, np.int32)
+    return q, k, v, jnp.asarray(kv_lens), jnp.asarray(q_lens), jnp.asarray(pt)
+
+
+def bench_attention(backend: str, peak: float | None) -> None:
+    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_gpu,
+                                                       ragged_paged_attention_tpu)
+    ours = ragged_paged_attention_tpu if backend == "tpu" else ragged_paged_attention_gpu
+    rng = np.random.default_rng(0)
+    configs = [  # (label, S, num_decode, chunk, kv_len, H, KVH, D, ps)
+        ("decode b8 kv1024 smollm2", 8, 8, 0, 1024, 9, 3, 64, 16),
+        ("decode b64 kv1024 smollm2", 64, 64, 0, 1024, 9, 3, 64, 16),
+        ("decode b8 kv4096 8B-like", 8, 8, 0, 4096, 32, 8, 128, 16),
+        ("decode b64 kv2048 8B-like", 64, 64, 0, 2048, 32, 8, 128, 16),
+        ("mixed 16 dec + 2x256 prefill 8B-like", 18, 16, 256, 2048, 32, 8, 128, 16),
+    ]
+    print("\nattention (bf16)                        ours ms   bundled ms   ours GB/s  "
+          "(% peak)  bundled GB/s")
+    for label, S, nd, chunk, kv_len, H, KVH, D, ps in configs:
+        dt = jnp.bfloat16
+        q, k, v, kvl, ql, pt = _attention_inputs(rng, S=S, num_decode=nd, chunk=chunk,
+                                                 kv_len=kv_len, H=H, KVH=KVH, D=D, ps=ps,
+                                                 dtype=dt)
+        kw = dict(num_decode=nd, prefill_chunk=chunk, sm_scale=D ** -0.5)
+        fns = {"ours": functools.partial(ours, **kw)}
+        args = {"ours": (q, k, v, kvl, ql, pt)}
+        bundled = _bundled_attention(backend, q, k, v, kvl, ql, pt, nd, chunk, D)
+        if bundled is not None:
+            fns["bundled"], args["bundled"] = bundled
+        t = timed(fns, args)
+        nbytes = (int(kvl.sum()) * KVH * D * 2 + 2 * q.size) * jnp.dtype(dt).itemsize
+        bw = {k_: nbytes / v_ for k_, v_ in t.items()}
+        frac = f"{100 * bw['ours'] / peak:5.1f}%" if peak else "  n/a"
+        tb = f"{t['bundled'] * 1e3:9.3f}" if "bundled" in t else "      n/a"
+        bb = f"{bw['bundled'] / 1e9:9.1f}" if "bundled" in bw else "      n/a"
+        print(f"  {label:36s} {t['ours'] * 1e3:8.3f}   {tb}   {bw['ours'] / 1e9:9.1f}  {frac}  {bb}",
+              flush=True)
+
+
+def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D):
+    """JAX's bundled kernel on the same data (its own layouts), or None where it does not
+    cover the case."""
+    S = pt.shape[0]
+    if backend == "tpu":
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+        N, ps, KVH, _ = k.shape
+        kv = jnp.stack([k, v], axis=3).reshape(N, ps, 2 * KVH, D)   # k/v heads interleaved
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+        f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=D ** -0.5))
+        return f, (q, kv, kv_lens, pt, cu, jnp.array([S], jnp.int32))
+    if chunk:                                  # the bundled GPU kernel is decode-only
+        return None
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    kh = jnp.transpose(k, (2, 0, 1, 3))         # [KVH, N, ps, D]
+    vh = jnp.transpose(v, (2, 0, 1, 3))
+    P = pt.shape[1]
+    splits = next(s for s in (16, 8, 4, 2, 1) if P % s == 0)
+    f = jax.jit(functools.partial(paged_attention, k_splits=splits,
+                                  pages_per_compute_block=min(8, P // splits)))
+    return f, (q, kh, vh, pt, kv_lens)
+
+
+# ---------------------------------------------------------------------------------------
+# Accelerator: quantized matmul
+# ---------------------------------------------------------------------------------------
+
+def bench_quantized_matmul(backend: str, peak: float | None) -> None:
+    from pallas_kernels.quantized_matmul import quantized_matmul_gpu, quantized_matmul_tpu
+    ours = quantized_matmul_tpu if backend == "tpu" else quantized_matmul_gpu
+    rng = np.random.default_rng(0)
+    print("\nquantized matmul (bf16 x)        ms      weight GB/s  (% peak)")
+    for M, K, N in ((1, 4096, 14336), (16, 4096, 14336), (1, 14336, 4096), (128, 4096, 4096)):
+        w = jnp.asarray(0.02 * rng.standard_normal((K, N)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+        wb = w.astype(jnp.bfloat16)
+        q8, q4 = quantize(w, 8), quantize(w, 4, 128)
+        fns = {"bf16 dot": jax.jit(lambda x, w: x @ w), "int8": ours, "int4 g128": ours}
+        args = {"bf16 dot": (x, wb), "int8": (x, q8), "int4 g128": (x, q4)}
+        sizes = {"bf16 dot": wb.size * 2, "int8": q8.nbytes, "int4 g128": q4.nbytes}
+        t = timed(fns, args)
+        for name, sec in t.items():
+            bw = sizes[name] / sec
+            frac = f"{100 * bw / peak:5.1f}%" if peak else "  n/a"
+            print(f"  M={M:<4d} K={K:<6d} N={N:<6d} {name:10s} {sec * 1e3:8.3f}  {bw / 1e9:9.1f}  {frac}",
+                  flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the XLA quantized path at SmolLM2-135M's shapes
+# ---------------------------------------------------------------------------------------
+
+SMOL = dict(layers=30, hidden=576, q=576, kv=192, mlp=1536, vocab=49152)
+
+
+def _mm_f32(x, w):
+    return x @ w
+
+
+def _chain(mm, n):
+    """x -> n matmuls, each over its own weight; outputs fed back (cut or tiled to K)."""
+    def f(x, ws):
+        K = x.shape[1]
+        for w in ws:
+            y = mm(x, w)
+            y = y[:, :K] if y.shape[1] >= K else jnp.tile(y, (1, -(-K // y.shape[1])))[:, :K]
+            x = jnp.tanh(y)
+        return x
+    return f
+
+
+def cpu_quant(args) -> None:
+    rng = np.random.default_rng(0)
+    opts = XLA_CPU_COMPILER_OPTIONS
+    group = args.group
+    print(f"\nCPU, XLA path (quantized_matmul_xla), int4 groups of {group}; compile options "
+          f"{opts}")
+    print("per matrix: chains of distinct weights (> L3), min of round-robin rounds")
+    print(f"  {'shape':18s} {'M':>2s}  {'f32 us':>8s} {'int8 us':>8s} {'int4 us':>8s}   "
+          f"{'f32 GB/s':>8s} {'int8 GB/s':>9s} {'int4 GB/s':>9s}")
+    shapes = [("576x576 (q,o)", 576, 576, 48), ("576x192 (k,v)", 576, 192, 96),
+              ("576x1536 (gate,up)", 576, 1536, 32), ("1536x576 (down)", 1536, 576, 32)]
+    if args.quick:
+        shapes = shapes[2:3]
+    for label, K, N, L in shapes:
+        wf = [jnp.asarray(0.02 * rng.standard_normal((K, N)), jnp.float32) for _ in range(L)]
+        w8 = [quantize(w, 8) for w in wf]
+        w4 = [quantize(w, 4, group) for w in wf]
+        for M in (1, 2):
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+            fns = {"f32": jax.jit(_chain(_mm_f32, L), compiler_options=opts),
+                   "int8": jax.jit(_chain(quantized_matmul_xla, L), compiler_options=opts),
+                   "int4": jax.jit(_chain(quantized_matmul_xla, L), compiler_options=opts)}
+            t = timed(fns, {"f32": (x, wf), "int8": (x, w8), "int4": (x, w4)},
+                      rounds=4 if args.quick else 10)
+            us = {k: v / L * 1e6 for k, v in t.items()}
+            gbs = {"f32": K * N * 4 / (us["f32"] * 1e3), "int8": w8[0].nbytes / (us["int8"] * 1e3),
+                   "int4": w4[0].nbytes / (us["int4"] * 1e3)}
+            print(f"  {label:18s} {M:2d}  {us['f32']:8.1f} {us['int8']:8.1f} {us['int4']:8.1f}   "
+                  f"{gbs['f32']:8.1f} {gbs['int8']:9.1f} {gbs['int4']:9.1f}", flush=True)
+        del wf, w8, w4
+    decode_pass(rng, args)
+
+
+def _mm_any(x, w):
+    return x @ w if isinstance(w, jax.Array) else quantized_matmul_xla(x, w)
+
+
+def _nbytes(w) -> int:
+    return w.size * w.dtype.itemsize if isinstance(w, jax.Array) else w.nbytes
+
+
+def _decode_pass_fn(mm):
+    """Every matmul of one SmolLM2 decode step (attention itself left out)."""
+    def f(x, layers, head):
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            qh, kh, vh = mm(x, wq), mm(x, wk), mm(x, wv)
+            x = x + mm(qh, wo) + 1e-3 * (kh.sum(-1, keepdims=True) + vh.sum(-1, keepdims=True))
+            x = x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
+            x = x / (1.0 + jnp.abs(x).max(-1, keepdims=True))
+        return jnp.argmax(mm(x, head), axis=-1)
+    return f
+
+
+def decode_pass(rng, args) -> None:
+    c = SMOL
+    shapes = [(c["hidden"], c["q"]), (c["hidden"], c["kv"]), (c["hidden"], c["kv"]),
+              (c["q"], c["hidden"]), (c["hidden"], c["mlp"]), (c["hidden"], c["mlp"]),
+              (c["mlp"], c["hidden"])]
+    layers_f = [[jnp.asarray(0.02 * rng.standard_normal(s), jnp.float32) for s in shapes]
+                for _ in range(c["layers"])]
+    head_f = jnp.asarray(0.02 * rng.standard_normal((c["hidden"], c["vocab"])), jnp.float32)
+    variants = {"f32": (layers_f, head_f, _mm_f32)}
+    for bits in (8, 4):
+        q = lambda w: quantize(w, bits, args.group)
+        layers_q = [[q(w) for w in layer] for layer in layers_f]
+        variants[f"int{bits}"] = (layers_q, q(head_f), quantized_matmul_xla)
+        # the LM head converts slowest (one 576 x 49152 weight): keep it f32
+        variants[f"int{bits}+f32 head"] = (layers_q, head_f, _mm_any)
+    nbytes = {k: sum(_nbytes(w) for layer in layers for w in layer) + _nbytes(head)
+              for k, (layers, head, _) in variants.items()}
+    print(f"\nSmolLM2-135M decode pass: all {7 * c['layers'] + 1} matmuls of one step, no "
+          "attention; tok/s = 1 / step")
+    for M in (1, 2):
+        x = jnp.asarray(rng.standard_normal((M, c["hidden"])), jnp.float32)
+        fns = {k: jax.jit(_decode_pass_fn(mm), compiler_options=XLA_CPU_COMPILER_OPTIONS)
+               for k, (_, _, mm) in variants.items()}
+        t = timed(fns, {k: (x, layers, head) for k, (layers, head, _) in variants.items()},
+                  rounds=3 if args.quick else 8)
+        for k, sec in t.items():
+            print(f"  M={M} {k:15s} weights {nbytes[k] / 1e6:6.1f} MB   step {sec * 1e3:7.2f} ms   "
+                  f"{1 / sec:6.1f} tok/s (per row)   {nbytes[k] / sec / 1e9:5.1f} GB/s", flush=True)
+    if not args.quick:
+        # The pitfall: XLA's default scheduler hoists every weight conversion to the start.
+        x = jnp.asarray(rng.standard_normal((1, c["hidden"])), jnp.float32)
+        layers, head, mm = variants["int8"]
+        f = jax.jit(_decode_pass_fn(mm))
+        t = timed({"d": f}, {"d": (x, layers, head)}, rounds=2)["d"]
+        print(f"  M=1 int8 with XLA's default scheduler: step {t * 1e3:7.2f} ms "
+              f"({1 / t:5.1f} tok/s): compile with XLA_CPU_COMPILER_OPTIONS", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-quant", action="store_true",
+                   help="on CPU: time the XLA quantized-matmul path at SmolLM2 shapes")
+    p.add_argument("--group", type=int, default=64,
+                   help="int4 group size for --cpu-quant (SmolLM2's K = 576 needs 64 or 32)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
+    args = p.parse_args(argv)
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__}, backend {backend}, device {dev.device_kind}")
+    if backend in ("tpu", "gpu"):
+        peak = peak_bandwidth(dev.device_kind)
+        print(f"peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else
+              "peak HBM bandwidth: unknown for this device kind (fractions omitted)")
+        bench_attention(backend, peak)
+        bench_quantized_matmul(backend, peak)
+        return 0
+    print("benchmarks/kernels.py: the Pallas kernels need a TPU or GPU to be timed "
+          f"(backend is {backend}); run it on an accelerator.")
+    if args.cpu_quant:
+        cpu_quant(args)
+    else:
+        print("(--cpu-quant times the CPU XLA quantized-matmul path instead)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

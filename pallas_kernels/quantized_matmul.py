@@ -1,0 +1,356 @@
+"""Weight-only quantized matmul: int8 per output channel, int4 grouped along K.
+
+Formats (what ``quantize_int8`` / ``quantize_int4`` return, and what every path reads):
+
+* int8: ``q`` int8 [K, N] and ``scale`` f32 [N]; w ~= q * scale[None, :]. Symmetric,
+  scale = max|w[:, n]| / 127, q in [-127, 127].
+* int4: ``packed`` int8 [K/2, N] and ``scales`` f32 [K/group, N]; byte i of column n holds
+  row 2i in its low nibble and row 2i+1 in its high nibble, both two's-complement 4-bit;
+  w[k, n] ~= nibble(k, n) * scales[k // group, n]. Symmetric, scale = max|w| / 7 over the
+  group, values in [-7, 7]. ``group`` must divide K (SmolLM2's K = 576 takes 64 or 32, not
+  128: 576 = 4.5 * 128).
+
+``QuantizedWeight`` bundles either format as one pytree (arrays as leaves, bits/group
+static), so a model's ``mm(x, w)`` hook can take it in place of a float weight.
+
+Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumulation:
+
+* ``quantized_matmul_reference`` — dequantize to f32, one f32 dot at HIGHEST precision.
+* ``quantized_matmul_xla`` — the CPU path: dequantize in one fused XLA loop, then one dot.
+  On this CPU it runs about as fast as streaming f32 weights, not faster (figures in
+  benchmarks/kernels.py --cpu-quant): XLA:CPU cannot fuse the int8->f32 conversion into
+  its GEMV, so the f32 weight is written to cache and read back. Its value today is
+  memory (4x / ~7x smaller weights); a compile of a whole model must use the
+  memory-optimized scheduler (see ``XLA_CPU_COMPILER_OPTIONS``) or XLA hoists every
+  layer's conversion to the start and keeps all the f32 copies live.
+* ``quantized_matmul_tpu`` / ``quantized_matmul_gpu`` — one Pallas kernel body, lowered by
+  Mosaic (TPU) or Triton (GPU): the grid walks (row block, column block); each step loads
+  its [K, block_n] slab of int8 weights (half that for int4) and dequantizes in registers
+  chunk by chunk along K, so only the quantized bytes cross HBM. int8: dot of raw integer
+  values, scale applied once per output; int4: per group, two dots (low and high nibbles
+  against the even and odd columns of x) scaled by the group's scale row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["QuantizedWeight", "quantize", "quantize_int8", "quantize_int4", "dequantize",
+           "quantized_matmul_reference", "quantized_matmul_xla", "quantized_matmul_tpu",
+           "quantized_matmul_gpu", "XLA_CPU_COMPILER_OPTIONS"]
+
+# Compile options for a jitted step that uses ``quantized_matmul_xla`` on XLA:CPU. The
+# default scheduler runs every weight conversion first (they depend only on parameters),
+# so a 30-layer model keeps ~200 f32 weight copies alive: measured 20x slower per matmul
+# than with this scheduler, which converts each weight right before its dot.
+XLA_CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+_INT8_MAX = 127
+_INT4_MAX = 7
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scales"],
+                   meta_fields=["bits", "group"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized [K, N] weight. bits 8: q int8 [K, N], scales f32 [N] (group 0).
+    bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N]."""
+
+    q: jax.Array
+    scales: jax.Array
+    bits: int
+    group: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, n = self.q.shape
+        return (rows * 2 if self.bits == 4 else rows, n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size * self.q.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------
+# Quantization and dequantization
+# ---------------------------------------------------------------------------------------
+
+def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [K, N] -> (q int8 [K, N], scale f32 [N]); symmetric per output channel."""
+    if w.ndim != 2:
+        raise ValueError(f"w: expected [K, N], got shape {w.shape}")
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=0)
+    scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def quantize_int4(w: jax.Array, group: int = 128) -> tuple[jax.Array, jax.Array]:
+    """w [K, N] -> (packed int8 [K/2, N], scales f32 [K/group, N]); symmetric per group of
+    ``group`` rows and per column; rows 2i / 2i+1 in the low / high nibble of byte i."""
+    if w.ndim != 2:
+        raise ValueError(f"w: expected [K, N], got shape {w.shape}")
+    K, N = w.shape
+    if group <= 0 or group % 2:
+        raise ValueError(f"group: must be a positive even number, got {group}")
+    if K % group:
+        divs = [g for g in (256, 128, 64, 32, 16) if K % g == 0]
+        raise ValueError(f"K (w.shape[0]) = {K} is not a multiple of group = {group}"
+                         + (f"; groups that divide it: {divs}" if divs else ""))
+    w = w.astype(jnp.float32).reshape(K // group, group, N)
+    amax = jnp.max(jnp.abs(w), axis=1)                                    # [K/group, N]
+    scales = jnp.where(amax > 0, amax / _INT4_MAX, 1.0)
+    q = jnp.clip(jnp.round(w / scales[:, None, :]), -_INT4_MAX, _INT4_MAX).astype(jnp.int8)
+    q = q.reshape(K // 2, 2, N)
+    packed = (q[:, 0] & 0xF) | (q[:, 1] << 4)                             # wraps in int8
+    return packed.astype(jnp.int8), scales
+
+
+def quantize(w: jax.Array, bits: int, group: int = 128) -> QuantizedWeight:
+    """w [K, N] -> QuantizedWeight (bits 8: per channel; bits 4: grouped)."""
+    if bits == 8:
+        q, s = quantize_int8(w)
+        return QuantizedWeight(q, s, 8, 0)
+    if bits == 4:
+        q, s = quantize_int4(w, group)
+        return QuantizedWeight(q, s, 4, group)
+    raise ValueError(f"bits: expected 8 or 4, got {bits}")
+
+
+def _unpack_int4(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """packed int8 [..] -> (low, high) int32 nibbles, sign-extended. Works in int32 because
+    narrow-integer vector shifts are not supported by every Pallas backend."""
+    p = packed.astype(jnp.int32)                       # sign-extends the byte
+    return (p << 28) >> 28, p >> 4                     # arithmetic shifts
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """QuantizedWeight -> f32 [K, N]."""
+    if w.bits == 8:
+        return w.q.astype(jnp.float32) * w.scales[None, :]
+    K, N = w.shape
+    lo, hi = _unpack_int4(w.q)
+    full = jnp.stack([lo, hi], axis=1).reshape(K, N).astype(jnp.float32)
+    return (full.reshape(K // w.group, w.group, N) * w.scales[:, None, :]).reshape(K, N)
+
+
+def _check(x: jax.Array, w: QuantizedWeight) -> None:
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"w: expected a QuantizedWeight, got {type(w).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [M, K], got shape {x.shape}")
+    if w.q.dtype != jnp.int8:
+        raise ValueError(f"w.q: expected int8, got {w.q.dtype}")
+    K, N = w.shape
+    if x.shape[1] != K:
+        raise ValueError(f"K: x has {x.shape[1]} columns, the weight has {K} rows")
+    if w.bits == 8:
+        if w.scales.shape != (N,):
+            raise ValueError(f"scales: int8 expects [N] = ({N},), got {w.scales.shape}")
+    elif w.bits == 4:
+        if w.group <= 0 or K % w.group:
+            raise ValueError(f"group: {w.group} does not divide K = {K}")
+        if w.scales.shape != (K // w.group, N):
+            raise ValueError(f"scales: int4 expects [K/group, N] = ({K // w.group}, {N}), got "
+                             f"{w.scales.shape}")
+    else:
+        raise ValueError(f"bits: expected 8 or 4, got {w.bits}")
+
+
+# ---------------------------------------------------------------------------------------
+# Reference and the XLA (CPU) path
+# ---------------------------------------------------------------------------------------
+
+@jax.jit
+def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [M, K] @ dequantize(w) -> [M, N] in x's dtype; f32 math at HIGHEST precision."""
+    _check(x, w)
+    y = jnp.dot(x.astype(jnp.float32), dequantize(w), precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+# Column-block width of the XLA path for big weights. Converting a whole [576, 49152] LM
+# head to f32 makes a 113 MB temporary that is page-faulted in on every call (40 ms
+# measured); converting 4096 columns at a time in a loop takes 7.5 ms (1536: 8.1 ms,
+# 8192: 10.3 ms). Weights up to _XLA_WHOLE elements are converted in one piece.
+_XLA_BLOCK_N = 4096
+_XLA_WHOLE = 1 << 22
+
+
+@jax.jit
+def quantized_matmul_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [M, K] @ w -> [M, N] in x's dtype: the XLA:CPU path.
+
+    One fused loop turns the int8 (or unpacked int4) weight into f32 with its scales, then
+    one plain 2-D dot, the form XLA:CPU streams fastest (measured against int8 x int8
+    dots, bf16 dots, int4-typed weights and K/N-chunked variants: all slower). Weights
+    with more than 4M elements (an LM head) go in column blocks of 4096.
+    """
+    _check(x, w)
+    xf = x.astype(jnp.float32)
+    M = x.shape[0]
+    if w.bits == 8:
+        # A lone row runs as two: XLA:CPU's two-row dot takes the converted weight ~25%
+        # faster than its one-row GEMV does (measured at SmolLM2's shapes).
+        xf = jnp.pad(xf, ((0, 1), (0, 0))) if M == 1 else xf
+    K, N = w.shape
+    if K * N <= _XLA_WHOLE or N % _XLA_BLOCK_N:
+        return _xla_block(xf, w)[:M].astype(x.dtype)
+
+    def body(j, out):
+        cols = lambda a: lax.dynamic_slice_in_dim(a, j * _XLA_BLOCK_N, _XLA_BLOCK_N, axis=1)
+        blk = QuantizedWeight(cols(w.q), cols(w.scales[None] if w.bits == 8 else w.scales),
+                              w.bits, w.group)
+        if w.bits == 8:
+            blk = QuantizedWeight(blk.q, blk.scales[0], 8, 0)
+        return lax.dynamic_update_slice_in_dim(out, _xla_block(xf, blk), j * _XLA_BLOCK_N, 1)
+
+    out = lax.fori_loop(0, N // _XLA_BLOCK_N, body, jnp.zeros((xf.shape[0], N), jnp.float32))
+    return out[:M].astype(x.dtype)
+
+
+def _xla_block(xf: jax.Array, w: QuantizedWeight) -> jax.Array:
+    if w.bits == 8:
+        return jnp.dot(xf, w.q.astype(jnp.float32)) * w.scales[None, :]
+    return jnp.dot(xf, dequantize(w))
+
+
+# ---------------------------------------------------------------------------------------
+# Pallas kernel (one body; Mosaic and Triton lowerings)
+# ---------------------------------------------------------------------------------------
+
+def _qmm_int8_kernel(x_ref,   # [bm, K]
+                     q_ref,   # int8 [K, bn]
+                     s_ref,   # f32 [1, bn]
+                     o_ref,   # [bm, bn]
+                     *, tk: int):
+    """acc = sum over K chunks of x_chunk @ q_chunk (integers are exact in bf16/f32), then
+    one scale per output column."""
+    bm, K = x_ref.shape
+    cdt = jnp.float32 if x_ref.dtype == jnp.float32 else jnp.bfloat16
+    prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    for k0 in range(0, K, tk):
+        xk = x_ref[:, pl.ds(k0, tk)].astype(cdt)
+        wk = q_ref[pl.ds(k0, tk), :].astype(jnp.float32).astype(cdt)
+        acc += jnp.dot(xk, wk, precision=prec, preferred_element_type=jnp.float32)
+    o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
+
+
+def _qmm_int4_kernel(xe_ref,  # [bm, K/2]: x's even columns (rows 2i of w: low nibbles)
+                     xo_ref,  # [bm, K/2]: x's odd columns (high nibbles)
+                     p_ref,   # int8 [K/2, bn]
+                     s_ref,   # f32 [K/group, bn]
+                     o_ref,   # [bm, bn]
+                     *, half_group: int):
+    """Per group: (xe_g @ low_g + xo_g @ high_g) * scales[g]."""
+    bm, Kh = xe_ref.shape
+    cdt = jnp.float32 if xe_ref.dtype == jnp.float32 else jnp.bfloat16
+    prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    for g, k0 in enumerate(range(0, Kh, half_group)):
+        lo, hi = _unpack_int4(p_ref[pl.ds(k0, half_group), :])
+        xe = xe_ref[:, pl.ds(k0, half_group)].astype(cdt)
+        xo = xo_ref[:, pl.ds(k0, half_group)].astype(cdt)
+        part = jnp.dot(xe, lo.astype(jnp.float32).astype(cdt), precision=prec,
+                       preferred_element_type=jnp.float32)
+        part += jnp.dot(xo, hi.astype(jnp.float32).astype(cdt), precision=prec,
+                        preferred_element_type=jnp.float32)
+        acc += part * s_ref[pl.ds(g, 1), :]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _pick_blocks(M: int, K: int, N: int, w: QuantizedWeight, backend: str, block_m, block_n):
+    if backend == "gpu":
+        # Triton: power-of-two tiles, every dot dim >= 16
+        bm = block_m or max(16, min(64, 1 << max(0, (M - 1).bit_length())))
+        if block_n is None:
+            block_n = next((b for b in (256, 128, 64, 32, 16) if N % b == 0), None)
+            if block_n is None:
+                raise ValueError(f"N = {N}: the Triton kernel needs a multiple of 16")
+        if w.bits == 8:
+            tk = next((b for b in (128, 64, 32, 16) if K % b == 0), None)
+            if tk is None:
+                raise ValueError(f"K = {K}: the Triton kernel needs a multiple of 16")
+        else:
+            tk = w.group // 2
+            if tk < 16 or tk & (tk - 1):
+                raise ValueError(f"group = {w.group}: the Triton kernel needs group / 2 a power "
+                                 "of two >= 16")
+    else:
+        # Mosaic: (8, 128) tiles; a block dim equal to the full array dim is always legal
+        bm = block_m or min(128, -(-M // 8) * 8)
+        if block_n is None:
+            block_n = next((b for b in (512, 256, 128) if N % b == 0), N)
+        # big static K chunks keep lane slices of x 128-aligned and the dots large
+        tk = next((b for b in (512, 256, 128) if K % b == 0), K) if w.bits == 8 else w.group // 2
+    if N % block_n:
+        raise ValueError(f"block_n = {block_n} does not divide N = {N}")
+    return bm, block_n, tk
+
+
+def _qmm_pallas(x, w: QuantizedWeight, *, backend: str, interpret, block_m, block_n):
+    _check(x, w)
+    M, K = x.shape
+    N = w.shape[1]
+    bm, bn, tk = _pick_blocks(M, K, N, w, backend, block_m, block_n)
+    Mp = -(-M // bm) * bm
+    if Mp != M:
+        x = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    grid = (Mp // bm, N // bn)
+    if backend == "gpu":
+        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    else:
+        params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    if w.bits == 8:
+        kernel = functools.partial(_qmm_int8_kernel, tk=tk)
+        in_specs = [pl.BlockSpec((bm, K), lambda i, j: (i, 0)),
+                    pl.BlockSpec((K, bn), lambda i, j: (0, j)),
+                    pl.BlockSpec((1, bn), lambda i, j: (0, j))]
+        args = (x, w.q, w.scales.reshape(1, N))
+    else:
+        kernel = functools.partial(_qmm_int4_kernel, half_group=w.group // 2)
+        ng = K // w.group
+        xs = x.reshape(Mp, K // 2, 2)
+        in_specs = [pl.BlockSpec((bm, K // 2), lambda i, j: (i, 0)),
+                    pl.BlockSpec((bm, K // 2), lambda i, j: (i, 0)),
+                    pl.BlockSpec((K // 2, bn), lambda i, j: (0, j)),
+                    pl.BlockSpec((ng, bn), lambda i, j: (0, j))]
+        args = (xs[:, :, 0], xs[:, :, 1], w.q, w.scales)
+    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_spec,
+                       out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
+                       compiler_params=params, interpret=interpret,
+                       name=f"jaxinfer_quantized_matmul_int{w.bits}_{backend}")(*args)
+    return y[:M]
+
+
+_STATIC = ("interpret", "block_m", "block_n")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantized_matmul_tpu(x: jax.Array, w: QuantizedWeight, *, interpret: bool | Any = False,
+                         block_m: int | None = None, block_n: int | None = None) -> jax.Array:
+    """x [M, K] @ w -> [M, N] in x's dtype, Mosaic TPU kernel. interpret: False on a TPU,
+    ``pltpu.InterpretParams()`` (or True) to run it on CPU."""
+    return _qmm_pallas(x, w, backend="tpu", interpret=interpret, block_m=block_m,
+                       block_n=block_n)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantized_matmul_gpu(x: jax.Array, w: QuantizedWeight, *, interpret: bool | Any = False,
+                         block_m: int | None = None, block_n: int | None = None) -> jax.Array:
+    """x [M, K] @ w -> [M, N] in x's dtype, Triton GPU kernel. interpret: False on a GPU,
+    True to run it on CPU. Needs K, N multiples of 16 and int4 groups of 32, 64, 128, ..."""
+    return _qmm_pallas(x, w, backend="gpu", interpret=interpret, block_m=block_m,
+                       block_n=block_n)

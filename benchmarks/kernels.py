@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py               # on a TPU / GPU: attention + quantized matmul
     python benchmarks/kernels.py --cpu-quant   # on CPU: f32 vs int8 vs int4 weights (XLA path)
+    python benchmarks/kernels.py --smoke tpu   # on CPU: the accelerator code, interpreted
 
 On a TPU or GPU it times, on the same inputs:
   * attention: ``ragged_paged_attention_tpu`` vs ``jax.experimental.pallas.ops.tpu.
@@ -80,42 +81,70 @@ def _attention_inputs(rng, *, S, num_decode, chunk, kv_len, H, KVH, D, ps, dtype
     return q, k, v, jnp.asarray(kv_lens), jnp.asarray(q_lens), jnp.asarray(pt)
 
 
-def bench_attention(backend: str, peak: float | None) -> None:
+ATTENTION_CONFIGS = [  # (label, S, num_decode, chunk, kv_len, H, KVH, D, page_size)
+    ("decode b8 kv1024 smollm2", 8, 8, 0, 1024, 9, 3, 64, 16),
+    ("decode b64 kv1024 smollm2", 64, 64, 0, 1024, 9, 3, 64, 16),
+    ("decode b1 kv8192 8B-like", 1, 1, 0, 8192, 32, 8, 128, 16),
+    ("decode b8 kv4096 8B-like", 8, 8, 0, 4096, 32, 8, 128, 16),
+    ("decode b64 kv2048 8B-like", 64, 64, 0, 2048, 32, 8, 128, 16),
+    ("mixed 16 dec + 2x256 prefill 8B-like", 18, 16, 256, 2048, 32, 8, 128, 16),
+]
+SMOKE_ATTENTION_CONFIGS = [
+    ("smoke decode", 2, 2, 0, 40, 8, 2, 128, 16),     # bundled TPU: head_dim % 128 == 0
+    ("smoke mixed", 3, 2, 16, 40, 8, 2, 128, 16),
+]
+
+
+def bench_attention(backend: str, peak: float | None, smoke: bool = False) -> None:
+    """Times ours vs bundled (or, with ``smoke``, runs both interpreted on CPU on tiny
+    inputs and prints their difference: a check of the adapters, not a timing)."""
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_gpu,
                                                        ragged_paged_attention_tpu)
     ours = ragged_paged_attention_tpu if backend == "tpu" else ragged_paged_attention_gpu
     rng = np.random.default_rng(0)
-    configs = [  # (label, S, num_decode, chunk, kv_len, H, KVH, D, ps)
-        ("decode b8 kv1024 smollm2", 8, 8, 0, 1024, 9, 3, 64, 16),
-        ("decode b64 kv1024 smollm2", 64, 64, 0, 1024, 9, 3, 64, 16),
-        ("decode b8 kv4096 8B-like", 8, 8, 0, 4096, 32, 8, 128, 16),
-        ("decode b64 kv2048 8B-like", 64, 64, 0, 2048, 32, 8, 128, 16),
-        ("mixed 16 dec + 2x256 prefill 8B-like", 18, 16, 256, 2048, 32, 8, 128, 16),
-    ]
     print("\nattention (bf16)                        ours ms   bundled ms   ours GB/s  "
           "(% peak)  bundled GB/s")
-    for label, S, nd, chunk, kv_len, H, KVH, D, ps in configs:
+    for label, S, nd, chunk, kv_len, H, KVH, D, ps in (SMOKE_ATTENTION_CONFIGS if smoke
+                                                        else ATTENTION_CONFIGS):
         dt = jnp.bfloat16
         q, k, v, kvl, ql, pt = _attention_inputs(rng, S=S, num_decode=nd, chunk=chunk,
                                                  kv_len=kv_len, H=H, KVH=KVH, D=D, ps=ps,
                                                  dtype=dt)
         kw = dict(num_decode=nd, prefill_chunk=chunk, sm_scale=D ** -0.5)
+        if smoke and backend == "gpu":
+            kw["interpret"] = True
         fns = {"ours": functools.partial(ours, **kw)}
         args = {"ours": (q, k, v, kvl, ql, pt)}
-        bundled = _bundled_attention(backend, q, k, v, kvl, ql, pt, nd, chunk, D)
-        if bundled is not None:
-            fns["bundled"], args["bundled"] = bundled
+        note = ""
+        try:
+            bundled = _bundled_attention(backend, q, k, v, kvl, ql, pt, nd, chunk, D, smoke)
+            if bundled is None:
+                note = "(bundled: no prefill on GPU)"
+            else:
+                fns["bundled"], args["bundled"] = bundled
+                jax.block_until_ready(fns["bundled"](*args["bundled"]))
+        except Exception as e:          # the bundled kernels reject some head counts
+            fns.pop("bundled", None)
+            note = f"(bundled: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]})"
+        if smoke:
+            outs = {k_: np.asarray(f(*args[k_]), np.float32) for k_, f in fns.items()}
+            if "bundled" in outs:
+                diff = float(np.max(np.abs(outs["ours"][:outs["bundled"].shape[0]] -
+                                           outs["bundled"])))
+                note = f"max |ours - bundled| = {diff:.3g}"
+            print(f"  {label:36s} interpreted: {note}", flush=True)
+            continue
         t = timed(fns, args)
         nbytes = (int(kvl.sum()) * KVH * D * 2 + 2 * q.size) * jnp.dtype(dt).itemsize
         bw = {k_: nbytes / v_ for k_, v_ in t.items()}
         frac = f"{100 * bw['ours'] / peak:5.1f}%" if peak else "  n/a"
         tb = f"{t['bundled'] * 1e3:9.3f}" if "bundled" in t else "      n/a"
         bb = f"{bw['bundled'] / 1e9:9.1f}" if "bundled" in bw else "      n/a"
-        print(f"  {label:36s} {t['ours'] * 1e3:8.3f}   {tb}   {bw['ours'] / 1e9:9.1f}  {frac}  {bb}",
-              flush=True)
+        print(f"  {label:36s} {t['ours'] * 1e3:8.3f}   {tb}   {bw['ours'] / 1e9:9.1f}  {frac}  "
+              f"{bb}  {note}", flush=True)
 
 
-def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D):
+def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D, interpret=False):
     """JAX's bundled kernel on the same data (its own layouts), or None where it does not
     cover the case."""
     S = pt.shape[0]
@@ -124,7 +153,10 @@ def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D):
         N, ps, KVH, _ = k.shape
         kv = jnp.stack([k, v], axis=3).reshape(N, ps, 2 * KVH, D)   # k/v heads interleaved
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
-        f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=D ** -0.5))
+        blocks = {}
+        if interpret:       # its tuned block table asks for a real TPU's version
+            blocks = dict(num_kv_pages_per_block=min(4, pt.shape[1]), num_queries_per_block=16)
+        f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, **blocks))
         return f, (q, kv, kv_lens, pt, cu, jnp.array([S], jnp.int32))
     if chunk:                                  # the bundled GPU kernel is decode-only
         return None
@@ -133,21 +165,28 @@ def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D):
     vh = jnp.transpose(v, (2, 0, 1, 3))
     P = pt.shape[1]
     splits = next(s for s in (16, 8, 4, 2, 1) if P % s == 0)
+    per_block = next(b for b in (8, 4, 2, 1) if (P // splits) % b == 0)
     f = jax.jit(functools.partial(paged_attention, k_splits=splits,
-                                  pages_per_compute_block=min(8, P // splits)))
-    return f, (q, kh, vh, pt, kv_lens)
+                                  pages_per_compute_block=per_block, interpret=interpret))
+    # it applies no softmax scale: pre-scale q (outside the timed function's inputs)
+    return f, ((q.astype(jnp.float32) * D ** -0.5).astype(q.dtype), kh, vh, pt, kv_lens)
 
 
 # ---------------------------------------------------------------------------------------
 # Accelerator: quantized matmul
 # ---------------------------------------------------------------------------------------
 
-def bench_quantized_matmul(backend: str, peak: float | None) -> None:
-    from pallas_kernels.quantized_matmul import quantized_matmul_gpu, quantized_matmul_tpu
+def bench_quantized_matmul(backend: str, peak: float | None, smoke: bool = False) -> None:
+    from pallas_kernels.quantized_matmul import (quantized_matmul_gpu,
+                                                 quantized_matmul_reference,
+                                                 quantized_matmul_tpu)
     ours = quantized_matmul_tpu if backend == "tpu" else quantized_matmul_gpu
+    if smoke and backend == "gpu":
+        ours = functools.partial(ours, interpret=True)
     rng = np.random.default_rng(0)
     print("\nquantized matmul (bf16 x)        ms      weight GB/s  (% peak)")
-    for M, K, N in ((1, 4096, 14336), (16, 4096, 14336), (1, 14336, 4096), (128, 4096, 4096)):
+    shapes = ((1, 4096, 14336), (16, 4096, 14336), (1, 14336, 4096), (128, 4096, 4096))
+    for M, K, N in ((1, 256, 256),) if smoke else shapes:
         w = jnp.asarray(0.02 * rng.standard_normal((K, N)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
         wb = w.astype(jnp.bfloat16)
@@ -155,6 +194,13 @@ def bench_quantized_matmul(backend: str, peak: float | None) -> None:
         fns = {"bf16 dot": jax.jit(lambda x, w: x @ w), "int8": ours, "int4 g128": ours}
         args = {"bf16 dot": (x, wb), "int8": (x, q8), "int4 g128": (x, q4)}
         sizes = {"bf16 dot": wb.size * 2, "int8": q8.nbytes, "int4 g128": q4.nbytes}
+        if smoke:
+            for name, qw in (("int8", q8), ("int4 g128", q4)):
+                diff = np.max(np.abs(np.asarray(ours(x, qw), np.float32) -
+                                     np.asarray(quantized_matmul_reference(x, qw), np.float32)))
+                print(f"  M={M} K={K} N={N} {name}: interpreted, max |ours - reference| = "
+                      f"{diff:.3g}", flush=True)
+            continue
         t = timed(fns, args)
         for name, sec in t.items():
             bw = sizes[name] / sec
@@ -285,10 +331,23 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=64,
                    help="int4 group size for --cpu-quant (SmolLM2's K = 576 needs 64 or 32)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
+    p.add_argument("--smoke", choices=("tpu", "gpu"), default=None,
+                   help="on CPU: run the accelerator section's code interpreted on tiny "
+                        "inputs (checks the bundled-kernel adapters; no timings)")
     args = p.parse_args(argv)
     backend = jax.default_backend()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, backend {backend}, device {dev.device_kind}")
+    if args.smoke:
+        from jax.experimental.pallas import tpu as pltpu
+        if args.smoke == "tpu":         # every pallas_call, ours and bundled, interpreted
+            with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+                bench_attention("tpu", None, smoke=True)
+                bench_quantized_matmul("tpu", None, smoke=True)
+        else:
+            bench_attention("gpu", None, smoke=True)
+            bench_quantized_matmul("gpu", None, smoke=True)
+        return 0
     if backend in ("tpu", "gpu"):
         peak = peak_bandwidth(dev.device_kind)
         print(f"peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else

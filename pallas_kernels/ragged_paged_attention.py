@@ -29,7 +29,10 @@ nothing because every row carries its own absolute position. Grid: (slot, KV hea
 block); each grid point loops over the KV blocks its rows can see ([lo, hi), computed in the
 wrapper from the rows' positions and the sliding window) with the online-softmax update.
 Decode (one token, G rows padded to the hardware's minimum) is bandwidth-bound: each KV
-byte of a (slot, KV head) is read once for all G query heads.
+byte of a (slot, KV head) is read once for all G query heads. On GPU a decode row block's
+KV blocks are also split over several programs (flash-decoding; ``kv_splits``), their
+partial (max, sum, acc) merged by XLA after the kernel, so a small batch still fills the
+SMs; the TPU runs its grid sequentially per core and does not split.
 
 Why Triton for the GPU lowering rather than Mosaic GPU (read off the installed jax 0.10.2):
 Mosaic GPU targets Hopper and newer only and is programmed at warpgroup level
@@ -68,6 +71,9 @@ _NEG_INF = float("-inf")
 DEFAULT_KV_BLOCK = 128
 # Query rows (token x query head of one KV head) per block of a prefill chunk.
 DEFAULT_PREFILL_ROWS = 128
+# GPU decode: split each (slot, KV head)'s KV blocks over programs until about this many
+# programs run (an H100 has 132 SMs; two programs each hide some latency).
+GPU_TARGET_PROGRAMS = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -154,6 +160,7 @@ class _Plan:
     rb: int     # rows per row block
     nrb: int    # row blocks per (slot, KV head)
     Pp: int     # page-table width padded to a multiple of ppb
+    splits: int = 1  # GPU: KV blocks of a row block split over this many programs
 
     @property
     def blk(self) -> int:
@@ -163,8 +170,17 @@ class _Plan:
     def rows(self) -> int:
         return self.nrb * self.rb
 
+    @property
+    def nb(self) -> int:
+        return self.Pp // self.ppb
 
-def _make_plan(S, Q, H, KVH, D, ps, P, *, backend: str, q_dtype, kv_block, rows_per_block):
+    @property
+    def blocks_per_split(self) -> int:
+        return _cdiv(self.nb, self.splits)
+
+
+def _make_plan(S, Q, H, KVH, D, ps, P, *, backend: str, q_dtype, kv_block, rows_per_block,
+               kv_splits=None):
     G = H // KVH
     R = Q * G
     kvb = kv_block or DEFAULT_KV_BLOCK
@@ -183,7 +199,19 @@ def _make_plan(S, Q, H, KVH, D, ps, P, *, backend: str, q_dtype, kv_block, rows_
         raise ValueError(f"rows_per_block: must be a multiple of 8 on TPU, got {rows_per_block}")
     nrb = _cdiv(R, rb)
     Pp = _round_up(P, ppb)
-    return _Plan(S=S, Q=Q, KVH=KVH, G=G, D=D, ps=ps, ppb=ppb, rb=rb, nrb=nrb, Pp=Pp)
+    nb = Pp // ppb
+    if backend != "gpu":
+        splits = 1
+    elif kv_splits is not None:
+        splits = max(1, min(kv_splits, nb))
+    elif Q == 1:
+        # flash-decoding: few (slot, KV head) programs would leave most SMs idle, so
+        # split the KV blocks until there are ~GPU_TARGET_PROGRAMS programs
+        splits = min(_next_pow2(_cdiv(GPU_TARGET_PROGRAMS, S * KVH * nrb)), nb, 16)
+    else:
+        splits = 1
+    return _Plan(S=S, Q=Q, KVH=KVH, G=G, D=D, ps=ps, ppb=ppb, rb=rb, nrb=nrb, Pp=Pp,
+                 splits=splits)
 
 
 def _part_inputs(plan: _Plan, q, kv_lens, q_lens, page_table, sliding_window):
@@ -390,11 +418,15 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
                 qpos_ref,    # i32[rb]
                 k_ref,       # [N, page_size, D]: KV head h of every page
                 v_ref,       # [N, page_size, D]
-                o_ref,       # [rb, D]
-                *, plan: _Plan, sm_scale, sliding_window, soft_cap):
-    s, i = pl.program_id(0), pl.program_id(2)
+                *out_refs,   # splits == 1: o [rb, D]; else acc f32[rb, D], m, l f32[rb]
+                plan: _Plan, sm_scale, sliding_window, soft_cap):
+    s = pl.program_id(0)
+    sp, i = pl.program_id(2), pl.program_id(3)
     base = (s * plan.nrb + i) * 4
     lo, hi, kv_len = meta_ref[base], meta_ref[base + 1], meta_ref[base + 2]
+    if plan.splits > 1:                 # this program's share of the KV blocks
+        bps = plan.blocks_per_split
+        lo, hi = jnp.maximum(lo, sp * bps), jnp.minimum(hi, (sp + 1) * bps)
     q = q_ref[...]
     qpos = qpos_ref[...][:, None]
 
@@ -406,8 +438,23 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
                              sm_scale=sm_scale, sliding_window=sliding_window,
                              soft_cap=soft_cap)
 
-    _, l, acc = lax.fori_loop(lo, hi, body, _init_carry(plan.rb, plan.D))
-    o_ref[...] = _finish(l, acc, o_ref.dtype)
+    m, l, acc = lax.fori_loop(lo, hi, body, _init_carry(plan.rb, plan.D))
+    if plan.splits == 1:
+        out_refs[0][...] = _finish(l, acc, out_refs[0].dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m.reshape(plan.rb)
+        l_ref[...] = l.reshape(plan.rb)
+
+
+def _combine_splits(acc, m, l, dtype):
+    """Partial softmax states over the split axis 2 -> normalized [S, KVH, rows, D]."""
+    mx = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.where(m == _NEG_INF, 0.0, jnp.exp(m - jnp.where(mx == _NEG_INF, 0.0, mx)))
+    total = jnp.sum(w * l, axis=2)                                          # [S, KVH, rows]
+    acc = jnp.sum(w[..., None] * acc, axis=2)
+    return _finish(total[..., None], acc, dtype)
 
 
 def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale,
@@ -416,21 +463,35 @@ def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
     kernel = functools.partial(_gpu_kernel, plan=plan, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
     N = k_pages.shape[0]
-    row_spec = pl.BlockSpec((None, None, plan.rb, plan.D), lambda s, h, i: (s, h, i, 0))
-    head_spec = pl.BlockSpec((N, plan.ps, None, plan.D), lambda s, h, i: (0, 0, h, 0))
+    S, KVH, ns, Rp, D = plan.S, plan.KVH, plan.splits, plan.rows, plan.D
+    row_spec = pl.BlockSpec((None, None, plan.rb, D), lambda s, h, sp, i: (s, h, i, 0))
+    head_spec = pl.BlockSpec((N, plan.ps, None, D), lambda s, h, sp, i: (0, 0, h, 0))
+    if ns == 1:
+        out_specs = row_spec
+        out_shape = jax.ShapeDtypeStruct(qr.shape, q.dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, plan.rb, D),
+                                  lambda s, h, sp, i: (s, h, sp, i, 0)),
+                     pl.BlockSpec((None, None, None, plan.rb), lambda s, h, sp, i: (s, h, sp, i)),
+                     pl.BlockSpec((None, None, None, plan.rb), lambda s, h, sp, i: (s, h, sp, i))]
+        out_shape = [jax.ShapeDtypeStruct((S, KVH, ns, Rp, D), jnp.float32),
+                     jax.ShapeDtypeStruct((S, KVH, ns, Rp), jnp.float32),
+                     jax.ShapeDtypeStruct((S, KVH, ns, Rp), jnp.float32)]
     out = pl.pallas_call(
         kernel,
-        grid=(plan.S, plan.KVH, plan.nrb),
+        grid=(S, KVH, ns, plan.nrb),
         in_specs=[pl.no_block_spec, pl.no_block_spec, row_spec,
-                  pl.BlockSpec((None, plan.rb), lambda s, h, i: (s, i)),
+                  pl.BlockSpec((None, plan.rb), lambda s, h, sp, i: (s, i)),
                   head_spec, head_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4 if plan.rb <= 64 else 8,
                                                 num_stages=2),
         interpret=interpret,
         name="jaxinfer_ragged_paged_attention_gpu",
     )(meta, pt, qr, qpos, k_pages, v_pages)
+    if ns > 1:
+        out = _combine_splits(*out, q.dtype)
     return _rows_to_tokens(plan, out)
 
 
@@ -440,7 +501,7 @@ def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
 
 def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, num_decode,
          prefill_chunk, sm_scale, sliding_window, soft_cap, interpret, kv_block,
-         rows_per_block):
+         rows_per_block, kv_splits=None):
     _validate(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode=num_decode,
               prefill_chunk=prefill_chunk, sliding_window=sliding_window, soft_cap=soft_cap,
               backend=backend)
@@ -457,7 +518,8 @@ def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
         t0 = 0 if lo_s == 0 else num_decode
         qp = q[t0:t0 + n * Q].reshape(n, Q, H, D)
         plan = _make_plan(n, Q, H, KVH, D, ps, P, backend=backend, q_dtype=q.dtype,
-                          kv_block=kv_block, rows_per_block=rows_per_block)
+                          kv_block=kv_block, rows_per_block=rows_per_block,
+                          kv_splits=kv_splits)
         parts.append(part_fn(plan, qp, k_pages, v_pages, kv_lens[lo_s:lo_s + n],
                              q_lens[lo_s:lo_s + n], page_table[lo_s:lo_s + n], **kw))
     if not parts:
@@ -466,10 +528,10 @@ def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
 
 
 _STATIC = ("num_decode", "prefill_chunk", "sm_scale", "sliding_window", "soft_cap",
-           "interpret", "kv_block", "rows_per_block")
+           "interpret", "kv_block", "rows_per_block", "kv_splits")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC[:-1])
 def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array,
                                *, num_decode: int, prefill_chunk: int, sm_scale: float,
@@ -495,17 +557,21 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                *, num_decode: int, prefill_chunk: int, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                interpret: bool | Any = False, kv_block: int | None = None,
-                               rows_per_block: int | None = None) -> jax.Array:
+                               rows_per_block: int | None = None,
+                               kv_splits: int | None = None) -> jax.Array:
     """Triton GPU kernel; signature and meaning of ``jaxinfer.attention.xla.ragged_paged_attention``.
 
     interpret: False on a GPU; True runs the same kernel through Pallas' generic
     interpreter on CPU (tests). head_dim and page_size must be powers of two. kv_block and
     rows_per_block as in ``ragged_paged_attention_tpu`` (rounded to powers of two here).
+    kv_splits: programs that share one row block's KV blocks (flash-decoding), their
+    partial softmax states merged after the kernel; default: decode splits until about
+    GPU_TARGET_PROGRAMS programs run (at most 16), prefill does not split.
     """
     return _run(_gpu_part, "gpu", q, k_pages, v_pages, kv_lens, q_lens, page_table,
                 num_decode=num_decode, prefill_chunk=prefill_chunk, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-                kv_block=kv_block, rows_per_block=rows_per_block)
+                kv_block=kv_block, rows_per_block=rows_per_block, kv_splits=kv_splits)
 
 
 def reference_on_step_layout(q, k_pages, v_pages, kv_lens, q_lens, page_table, *,

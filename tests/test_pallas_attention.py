@@ -47,15 +47,16 @@ class Case:
     soft_cap: float | None = None
     kv_block: int | None = None
     rows_per_block: int | None = None
+    kv_splits: int | None = None        # GPU only (default: decode splits, prefill not)
 
 
 CASES = [
     # SmolLM2's heads (9 q / 3 kv, 64): 3 decode slots + full, partial and unused prefill slots
     Case("gqa3-d64-ps16-mixed", 9, 3, 64, 16, jnp.float32, 3, 16,
          kv_lens=(37, 1, 16, 40, 29, 0), q_lens=(1, 1, 1, 16, 5, 0), kv_block=32),
-    # MHA, decode only, several pages per KV block
+    # MHA, decode only, several pages per KV block; on GPU unsplit (the others split)
     Case("mha-d128-ps8-decode", 4, 4, 128, 8, jnp.float32, 4, 0,
-         kv_lens=(1, 8, 23, 50), q_lens=(1, 1, 1, 1), kv_block=64),
+         kv_lens=(1, 8, 23, 50), q_lens=(1, 1, 1, 1), kv_block=64, kv_splits=1),
     # GQA 8, prefill only, several row blocks and KV blocks, a cached prefix
     Case("gqa8-d128-ps32-prefill", 16, 2, 128, 32, jnp.float32, 0, 24,
          kv_lens=(70, 24), q_lens=(24, 24), kv_block=32, rows_per_block=64),
@@ -110,6 +111,8 @@ def check_case(fn, case: Case, interpret) -> None:
     args = make_inputs(case)
     kw = static_kwargs(case)
     ref = np.asarray(reference_on_step_layout(*args, **kw).astype(jnp.float32))
+    if fn is ragged_paged_attention_gpu:
+        kw["kv_splits"] = case.kv_splits
     out = fn(*args, **kw, interpret=interpret, kv_block=case.kv_block,
              rows_per_block=case.rows_per_block)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
@@ -184,8 +187,10 @@ def test_lowers_for_the_accelerator(fn, platform, dtype):
     q = jax.ShapeDtypeStruct((nd + (S - nd) * chunk, 9, 64), dtype)
     kv = jax.ShapeDtypeStruct((N, 16, 3, 64), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    extra = {"kv_splits": 4} if fn is ragged_paged_attention_gpu else {}   # flash-decoding
     fn.trace(q, kv, kv, i32(S), i32(S), i32(S, P), num_decode=nd, prefill_chunk=chunk,
-             sm_scale=0.125, sliding_window=64, soft_cap=30.0).lower(lowering_platforms=(platform,))
+             sm_scale=0.125, sliding_window=64, soft_cap=30.0, kv_block=16,
+             **extra).lower(lowering_platforms=(platform,))
 
 
 def _shapes(T=3, H=4, KVH=2, D=64, ps=16, S=3, P=4, N=8):

@@ -30,9 +30,11 @@ block); each grid point loops over the KV blocks its rows can see ([lo, hi), com
 wrapper from the rows' positions and the sliding window) with the online-softmax update.
 Decode (one token, G rows padded to the hardware's minimum) is bandwidth-bound: each KV
 byte of a (slot, KV head) is read once for all G query heads. On GPU a decode row block's
-KV blocks are also split over several programs (flash-decoding; ``kv_splits``), their
-partial (max, sum, acc) merged by XLA after the kernel, so a small batch still fills the
-SMs; the TPU runs its grid sequentially per core and does not split.
+KV blocks are also split over several programs (flash-decoding), a split being a fixed
+run of ``kv_split_blocks`` KV blocks from position 0, their partial (max, sum, acc) merged
+after the kernel in a fixed left-to-right order, so a small batch still fills the SMs
+while a token's bits stay independent of the batch and of the page table's width; the TPU
+runs its grid sequentially per core and does not split.
 
 Why Triton for the GPU lowering rather than Mosaic GPU (read off the installed jax 0.10.2):
 Mosaic GPU targets Hopper and newer only and is programmed at warpgroup level
@@ -71,9 +73,10 @@ _NEG_INF = float("-inf")
 DEFAULT_KV_BLOCK = 128
 # Query rows (token x query head of one KV head) per block of a prefill chunk.
 DEFAULT_PREFILL_ROWS = 128
-# GPU decode: split each (slot, KV head)'s KV blocks over programs until about this many
-# programs run (an H100 has 132 SMs; two programs each hide some latency).
-GPU_TARGET_PROGRAMS = 256
+# GPU decode: KV blocks per flash-decoding split (4 x 128 = 512 tokens). Fixed, not
+# derived from the batch, so the merge order of a sequence's KV never depends on what else
+# is in the step. Batch 1 at 8 KV heads and 8k context: 8 x 16 = 128 programs.
+GPU_SPLIT_BLOCKS = 4
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -160,7 +163,7 @@ class _Plan:
     rb: int     # rows per row block
     nrb: int    # row blocks per (slot, KV head)
     Pp: int     # page-table width padded to a multiple of ppb
-    splits: int = 1  # GPU: KV blocks of a row block split over this many programs
+    split_blocks: int = 0  # GPU: KV blocks per flash-decoding split (0: no split)
 
     @property
     def blk(self) -> int:
@@ -175,12 +178,12 @@ class _Plan:
         return self.Pp // self.ppb
 
     @property
-    def blocks_per_split(self) -> int:
-        return _cdiv(self.nb, self.splits)
+    def splits(self) -> int:
+        return _cdiv(self.nb, self.split_blocks) if self.split_blocks else 1
 
 
 def _make_plan(S, Q, H, KVH, D, ps, P, *, backend: str, q_dtype, kv_block, rows_per_block,
-               kv_splits=None):
+               kv_split_blocks=None):
     G = H // KVH
     R = Q * G
     kvb = kv_block or DEFAULT_KV_BLOCK
@@ -199,19 +202,16 @@ def _make_plan(S, Q, H, KVH, D, ps, P, *, backend: str, q_dtype, kv_block, rows_
         raise ValueError(f"rows_per_block: must be a multiple of 8 on TPU, got {rows_per_block}")
     nrb = _cdiv(R, rb)
     Pp = _round_up(P, ppb)
-    nb = Pp // ppb
     if backend != "gpu":
-        splits = 1
-    elif kv_splits is not None:
-        splits = max(1, min(kv_splits, nb))
-    elif Q == 1:
-        # flash-decoding: few (slot, KV head) programs would leave most SMs idle, so
-        # split the KV blocks until there are ~GPU_TARGET_PROGRAMS programs
-        splits = min(_next_pow2(_cdiv(GPU_TARGET_PROGRAMS, S * KVH * nrb)), nb, 16)
+        split = 0
+    elif kv_split_blocks is not None:
+        split = kv_split_blocks
     else:
-        splits = 1
+        split = GPU_SPLIT_BLOCKS if Q == 1 else 0
+    if split >= Pp // ppb:
+        split = 0                                  # one split would hold every block
     return _Plan(S=S, Q=Q, KVH=KVH, G=G, D=D, ps=ps, ppb=ppb, rb=rb, nrb=nrb, Pp=Pp,
-                 splits=splits)
+                 split_blocks=split)
 
 
 def _part_inputs(plan: _Plan, q, kv_lens, q_lens, page_table, sliding_window):
@@ -425,7 +425,7 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
     base = (s * plan.nrb + i) * 4
     lo, hi, kv_len = meta_ref[base], meta_ref[base + 1], meta_ref[base + 2]
     if plan.splits > 1:                 # this program's share of the KV blocks
-        bps = plan.blocks_per_split
+        bps = plan.split_blocks
         lo, hi = jnp.maximum(lo, sp * bps), jnp.minimum(hi, (sp + 1) * bps)
     q = q_ref[...]
     qpos = qpos_ref[...][:, None]
@@ -449,12 +449,18 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
 
 
 def _combine_splits(acc, m, l, dtype):
-    """Partial softmax states over the split axis 2 -> normalized [S, KVH, rows, D]."""
+    """Partial softmax states over the split axis 2 -> normalized [S, KVH, rows, D].
+
+    Summed left to right in a Python loop, not with XLA's reduce (whose association order
+    changes with the number of splits): splits past a sequence's end add exact zeros, so
+    a wider page table leaves the bits unchanged."""
     mx = jnp.max(m, axis=2, keepdims=True)
     w = jnp.where(m == _NEG_INF, 0.0, jnp.exp(m - jnp.where(mx == _NEG_INF, 0.0, mx)))
-    total = jnp.sum(w * l, axis=2)                                          # [S, KVH, rows]
-    acc = jnp.sum(w[..., None] * acc, axis=2)
-    return _finish(total[..., None], acc, dtype)
+    total, out = w[:, :, 0] * l[:, :, 0], w[:, :, 0, :, None] * acc[:, :, 0]
+    for i in range(1, m.shape[2]):
+        total = total + w[:, :, i] * l[:, :, i]
+        out = out + w[:, :, i, :, None] * acc[:, :, i]
+    return _finish(total[..., None], out, dtype)
 
 
 def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale,
@@ -501,7 +507,7 @@ def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
 
 def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, num_decode,
          prefill_chunk, sm_scale, sliding_window, soft_cap, interpret, kv_block,
-         rows_per_block, kv_splits=None):
+         rows_per_block, kv_split_blocks=None):
     _validate(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode=num_decode,
               prefill_chunk=prefill_chunk, sliding_window=sliding_window, soft_cap=soft_cap,
               backend=backend)
@@ -519,7 +525,7 @@ def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
         qp = q[t0:t0 + n * Q].reshape(n, Q, H, D)
         plan = _make_plan(n, Q, H, KVH, D, ps, P, backend=backend, q_dtype=q.dtype,
                           kv_block=kv_block, rows_per_block=rows_per_block,
-                          kv_splits=kv_splits)
+                          kv_split_blocks=kv_split_blocks)
         parts.append(part_fn(plan, qp, k_pages, v_pages, kv_lens[lo_s:lo_s + n],
                              q_lens[lo_s:lo_s + n], page_table[lo_s:lo_s + n], **kw))
     if not parts:
@@ -528,7 +534,7 @@ def _run(part_fn, backend, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
 
 
 _STATIC = ("num_decode", "prefill_chunk", "sm_scale", "sliding_window", "soft_cap",
-           "interpret", "kv_block", "rows_per_block", "kv_splits")
+           "interpret", "kv_block", "rows_per_block", "kv_split_blocks")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC[:-1])
@@ -558,20 +564,21 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                interpret: bool | Any = False, kv_block: int | None = None,
                                rows_per_block: int | None = None,
-                               kv_splits: int | None = None) -> jax.Array:
+                               kv_split_blocks: int | None = None) -> jax.Array:
     """Triton GPU kernel; signature and meaning of ``jaxinfer.attention.xla.ragged_paged_attention``.
 
     interpret: False on a GPU; True runs the same kernel through Pallas' generic
     interpreter on CPU (tests). head_dim and page_size must be powers of two. kv_block and
     rows_per_block as in ``ragged_paged_attention_tpu`` (rounded to powers of two here).
-    kv_splits: programs that share one row block's KV blocks (flash-decoding), their
-    partial softmax states merged after the kernel; default: decode splits until about
-    GPU_TARGET_PROGRAMS programs run (at most 16), prefill does not split.
+    kv_split_blocks: KV blocks per flash-decoding split (each split its own program, the
+    partial softmax states merged after the kernel); 0 disables; default
+    GPU_SPLIT_BLOCKS for decode, no split for prefill.
     """
     return _run(_gpu_part, "gpu", q, k_pages, v_pages, kv_lens, q_lens, page_table,
                 num_decode=num_decode, prefill_chunk=prefill_chunk, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-                kv_block=kv_block, rows_per_block=rows_per_block, kv_splits=kv_splits)
+                kv_block=kv_block, rows_per_block=rows_per_block,
+                kv_split_blocks=kv_split_blocks)
 
 
 def reference_on_step_layout(q, k_pages, v_pages, kv_lens, q_lens, page_table, *,

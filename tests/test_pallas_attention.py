@@ -47,16 +47,17 @@ class Case:
     soft_cap: float | None = None
     kv_block: int | None = None
     rows_per_block: int | None = None
-    kv_splits: int | None = None        # GPU only (default: decode splits, prefill not)
+    kv_split_blocks: int | None = None  # GPU only (default: decode splits, prefill not)
 
 
 CASES = [
     # SmolLM2's heads (9 q / 3 kv, 64): 3 decode slots + full, partial and unused prefill slots
     Case("gqa3-d64-ps16-mixed", 9, 3, 64, 16, jnp.float32, 3, 16,
-         kv_lens=(37, 1, 16, 40, 29, 0), q_lens=(1, 1, 1, 16, 5, 0), kv_block=32),
+         kv_lens=(37, 1, 16, 40, 29, 0), q_lens=(1, 1, 1, 16, 5, 0), kv_block=32,
+         kv_split_blocks=1),
     # MHA, decode only, several pages per KV block; on GPU unsplit (the others split)
     Case("mha-d128-ps8-decode", 4, 4, 128, 8, jnp.float32, 4, 0,
-         kv_lens=(1, 8, 23, 50), q_lens=(1, 1, 1, 1), kv_block=64, kv_splits=1),
+         kv_lens=(1, 8, 23, 50), q_lens=(1, 1, 1, 1), kv_block=64, kv_split_blocks=0),
     # GQA 8, prefill only, several row blocks and KV blocks, a cached prefix
     Case("gqa8-d128-ps32-prefill", 16, 2, 128, 32, jnp.float32, 0, 24,
          kv_lens=(70, 24), q_lens=(24, 24), kv_block=32, rows_per_block=64),
@@ -112,7 +113,7 @@ def check_case(fn, case: Case, interpret) -> None:
     kw = static_kwargs(case)
     ref = np.asarray(reference_on_step_layout(*args, **kw).astype(jnp.float32))
     if fn is ragged_paged_attention_gpu:
-        kw["kv_splits"] = case.kv_splits
+        kw["kv_split_blocks"] = case.kv_split_blocks
     out = fn(*args, **kw, interpret=interpret, kv_block=case.kv_block,
              rows_per_block=case.rows_per_block)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
@@ -167,6 +168,24 @@ class TestGPUKernelCompiled(_AttentionCases):
     interpret = False
 
 
+def test_gpu_flash_decoding_is_batch_and_bucket_invariant():
+    """A decode token's bits do not depend on the other slots nor on the page table's
+    width, although both change the number of KV splits."""
+    case = dataclasses.replace(CASES[0], num_decode=1, prefill_chunk=0, kv_lens=(37,),
+                               q_lens=(1,))
+    q, k, v, kvl, ql, pt = make_inputs(case)
+    kw = dict(num_decode=1, prefill_chunk=0, sm_scale=0.125, interpret=True, kv_block=16,
+              kv_split_blocks=1)
+    alone = ragged_paged_attention_gpu(q, k, v, kvl, ql, pt, **kw)
+    wide = jnp.pad(pt, ((0, 2), (0, 5)))                   # 2 more slots, 5 more pages
+    q3 = jnp.concatenate([q, q[::-1] * 0.5, q * 2.0])
+    kv3 = jnp.concatenate([kvl, jnp.array([5, 0], jnp.int32)])
+    ql3 = jnp.concatenate([ql, jnp.array([1, 0], jnp.int32)])
+    wide = wide.at[1, 0].set(pt[0, 1])
+    batch = ragged_paged_attention_gpu(q3, k, v, kv3, ql3, wide, **(kw | {"num_decode": 3}))
+    np.testing.assert_array_equal(np.asarray(batch[:1]), np.asarray(alone))
+
+
 def test_tpu_double_buffer_has_no_race():
     """Eager DMAs (a copy lands as soon as it starts) + the interpreter's race detector:
     prefetching block b+1 must never write the buffer block b is read from."""
@@ -187,7 +206,7 @@ def test_lowers_for_the_accelerator(fn, platform, dtype):
     q = jax.ShapeDtypeStruct((nd + (S - nd) * chunk, 9, 64), dtype)
     kv = jax.ShapeDtypeStruct((N, 16, 3, 64), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    extra = {"kv_splits": 4} if fn is ragged_paged_attention_gpu else {}   # flash-decoding
+    extra = {"kv_split_blocks": 2} if fn is ragged_paged_attention_gpu else {}  # flash-decoding
     fn.trace(q, kv, kv, i32(S), i32(S), i32(S, P), num_decode=nd, prefill_chunk=chunk,
              sm_scale=0.125, sliding_window=64, soft_cap=30.0, kv_block=16,
              **extra).lower(lowering_platforms=(platform,))

@@ -26,8 +26,10 @@ query head k * G + g, so q becomes [S, KVH, rows, D] and both dots are plain 2-D
 ([rows, D] x [D, kv_block] and [rows, kv_block] x [kv_block, D]) whatever the GQA ratio.
 Rows are cut into blocks of ``rows_per_block``; a row block may end mid-token, which costs
 nothing because every row carries its own absolute position. Grid: (slot, KV head, row
-block); each grid point loops over the KV blocks its rows can see ([lo, hi), computed in the
-wrapper from the rows' positions and the sliding window) with the online-softmax update.
+block) on GPU, (slot, row block) on TPU, whose one loop walks every KV head's blocks so
+that DMAs overlap across heads; either way a (row block, KV head) visits the KV blocks its
+rows can see ([lo, hi), computed in the wrapper from the rows' positions and the sliding
+window) with the online-softmax update.
 Decode (one token, G rows padded to the hardware's minimum) is bandwidth-bound: each KV
 byte of a (slot, KV head) is read once for all G query heads. On GPU a decode row block's
 KV blocks are also split over several programs (flash-decoding), a split being a fixed
@@ -315,23 +317,35 @@ def _finish(l, acc, dtype):
 
 def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slot, row block)
                 pt_ref,      # SMEM i32[S * Pp]: page table, padded with page 0
-                q_ref,       # [rb, D]
+                q_ref,       # [KVH, rb, D]
                 qpos_ref,    # i32[rb, 1]
                 k_hbm,       # [N, page_size, KVH, D] (HBM)
                 v_hbm,       # [N, page_size, KVH, D] (HBM)
-                o_ref,       # [rb, D]
+                o_ref,       # [KVH, rb, D]
                 kbuf,        # VMEM [2, blk, D]
                 vbuf,        # VMEM [2, blk, D]
                 sems,        # DMA semaphores [2 slots, K/V]
                 *, plan: _Plan, sm_scale, sliding_window, soft_cap):
-    s, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    """One grid step = one (slot, row block), all KV heads: a single loop over
+    t = (head, KV block) pairs, so the DMA of the next pair (the next head's first block
+    included) always overlaps the current one's compute; a step pays one DMA latency
+    up front, not one per KV head."""
+    s, i = pl.program_id(0), pl.program_id(1)
     base = (s * plan.nrb + i) * 4
     lo, hi, kv_len = meta_ref[base], meta_ref[base + 1], meta_ref[base + 2]
+    nblk = hi - lo
+    total = plan.KVH * nblk
+    per = jnp.maximum(nblk, 1)               # (no division by zero when total == 0)
     ps, ppb = plan.ps, plan.ppb
 
-    def copies(b, slot):
+    def head_block(t):
+        # lax.div / rem (truncating; t, per >= 0): jnp's floor division lowers via sign()
+        return lax.div(t, per), lo + lax.rem(t, per)
+
+    def copies(t, slot):
         # One DMA per page and per K/V: [page_size, D] of KV head h. Pages wholly past
         # kv_len are not fetched (their rows are masked anyway).
+        h, b = head_block(t)
         out = []
         for p in range(ppb):
             idx = b * ppb + p
@@ -342,41 +356,53 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
             out.append((idx * ps < kv_len, ck, cv))
         return out
 
-    def start(b, slot):
-        for need, ck, cv in copies(b, slot):
+    def start(t, slot):
+        for need, ck, cv in copies(t, slot):
             @pl.when(need)
             def _():
                 ck.start()
                 cv.start()
 
-    def wait(b, slot):
-        for need, ck, cv in copies(b, slot):
+    def wait(t, slot):
+        for need, ck, cv in copies(t, slot):
             @pl.when(need)
             def _():
                 ck.wait()
                 cv.wait()
 
-    @pl.when(hi > lo)
+    @pl.when(total > 0)
     def _():
-        start(lo, 0)
+        start(0, 0)
 
-    q = q_ref[...]
+    @pl.when(total == 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)     # no query in this row block
+
     qpos = qpos_ref[...]
+    init = _init_carry(plan.rb, plan.D)
 
-    def body(b, carry):
-        slot = lax.rem(b - lo, 2)
+    def body(t, carry):
+        h, b = head_block(t)
+        slot = lax.rem(t, 2)
 
-        @pl.when(b + 1 < hi)
+        @pl.when(t + 1 < total)
         def _():
-            start(b + 1, 1 - slot)          # fetch the next block while this one computes
+            start(t + 1, 1 - slot)          # fetch the next (head, block) during this one
 
-        wait(b, slot)
-        return _block_update(carry, q, kbuf[slot], vbuf[slot], qpos, b * plan.blk, kv_len,
-                             sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap)
+        wait(t, slot)
+        first = b == lo                     # a new head starts from the empty state
+        carry = tuple(jnp.where(first, a, c) for a, c in zip(init, carry))
+        carry = _block_update(carry, q_ref[h], kbuf[slot], vbuf[slot], qpos, b * plan.blk,
+                              kv_len, sm_scale=sm_scale, sliding_window=sliding_window,
+                              soft_cap=soft_cap)
 
-    _, l, acc = lax.fori_loop(lo, hi, body, _init_carry(plan.rb, plan.D))
-    o_ref[...] = _finish(l, acc, o_ref.dtype)
+        @pl.when(b == hi - 1)
+        def _():
+            o_ref[h] = _finish(carry[1], carry[2], o_ref.dtype)
+
+        return carry
+
+    lax.fori_loop(0, total, body, init)
 
 
 def _tpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale,
@@ -384,12 +410,12 @@ def _tpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
     qr, qpos, meta, pt = _part_inputs(plan, q, kv_lens, q_lens, page_table, sliding_window)
     kernel = functools.partial(_tpu_kernel, plan=plan, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
-    row_spec = pl.BlockSpec((None, None, plan.rb, plan.D), lambda s, h, i, *_: (s, h, i, 0))
+    row_spec = pl.BlockSpec((None, plan.KVH, plan.rb, plan.D), lambda s, i, *_: (s, 0, i, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(plan.S, plan.KVH, plan.nrb),
+        grid=(plan.S, plan.nrb),
         in_specs=[row_spec,
-                  pl.BlockSpec((None, plan.rb, 1), lambda s, h, i, *_: (s, i, 0)),
+                  pl.BlockSpec((None, plan.rb, 1), lambda s, i, *_: (s, i, 0)),
                   pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=row_spec,
@@ -400,8 +426,7 @@ def _tpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="jaxinfer_ragged_paged_attention_tpu",
     )(meta, pt, qr, qpos[:, :, None], k_pages, v_pages)

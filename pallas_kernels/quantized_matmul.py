@@ -27,8 +27,9 @@ Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumul
   Mosaic (TPU) or Triton (GPU): the grid walks (row block, column block); each step loads
   its [K, block_n] slab of int8 weights (half that for int4) and dequantizes in registers
   chunk by chunk along K, so only the quantized bytes cross HBM. int8: dot of raw integer
-  values, scale applied once per output; int4: per group, two dots (low and high nibbles
-  against the even and odd columns of x) scaled by the group's scale row.
+  values, scale applied once per output; int4: per chunk of whole groups, low and high
+  nibbles are scaled by their groups' scales and dotted with x's even and odd columns
+  (one group per chunk on GPU, up to 1024 packed rows on TPU).
 """
 
 from __future__ import annotations
@@ -252,21 +253,26 @@ def _qmm_int4_kernel(xe_ref,  # [bm, K/2]: x's even columns (rows 2i of w: low n
                      p_ref,   # int8 [K/2, bn]
                      s_ref,   # f32 [K/group, bn]
                      o_ref,   # [bm, bn]
-                     *, half_group: int):
-    """Per group: (xe_g @ low_g + xo_g @ high_g) * scales[g]."""
+                     *, half_group: int, tkp: int):
+    """Per chunk of ``tkp`` packed rows (whole groups): dequantize low and high nibbles
+    with their groups' scales, then xe_chunk @ low + xo_chunk @ high."""
     bm, Kh = xe_ref.shape
+    bn = o_ref.shape[1]
     cdt = jnp.float32 if xe_ref.dtype == jnp.float32 else jnp.bfloat16
     prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    ngc = tkp // half_group                                   # groups per chunk
     acc = jnp.zeros(o_ref.shape, jnp.float32)
-    for g, k0 in enumerate(range(0, Kh, half_group)):
-        lo, hi = _unpack_int4(p_ref[pl.ds(k0, half_group), :])
-        xe = xe_ref[:, pl.ds(k0, half_group)].astype(cdt)
-        xo = xo_ref[:, pl.ds(k0, half_group)].astype(cdt)
-        part = jnp.dot(xe, lo.astype(jnp.float32).astype(cdt), precision=prec,
-                       preferred_element_type=jnp.float32)
-        part += jnp.dot(xo, hi.astype(jnp.float32).astype(cdt), precision=prec,
-                        preferred_element_type=jnp.float32)
-        acc += part * s_ref[pl.ds(g, 1), :]
+    for k0 in range(0, Kh, tkp):
+        lo, hi = _unpack_int4(p_ref[pl.ds(k0, tkp), :])                        # [tkp, bn]
+        sc = s_ref[pl.ds(k0 // half_group, ngc), :]                              # [ngc, bn]
+        if ngc > 1:
+            sc = jnp.broadcast_to(sc[:, None, :], (ngc, half_group, bn)).reshape(tkp, bn)
+        w_lo = (lo.astype(jnp.float32) * sc).astype(cdt)
+        w_hi = (hi.astype(jnp.float32) * sc).astype(cdt)
+        xe = xe_ref[:, pl.ds(k0, tkp)].astype(cdt)
+        xo = xo_ref[:, pl.ds(k0, tkp)].astype(cdt)
+        acc += jnp.dot(xe, w_lo, precision=prec, preferred_element_type=jnp.float32)
+        acc += jnp.dot(xo, w_hi, precision=prec, preferred_element_type=jnp.float32)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -293,7 +299,12 @@ def _pick_blocks(M: int, K: int, N: int, w: QuantizedWeight, backend: str, block
         if block_n is None:
             block_n = next((b for b in (512, 256, 128) if N % b == 0), N)
         # big static K chunks keep lane slices of x 128-aligned and the dots large
-        tk = next((b for b in (512, 256, 128) if K % b == 0), K) if w.bits == 8 else w.group // 2
+        if w.bits == 8:
+            tk = next((b for b in (512, 256, 128) if K % b == 0), K)
+        else:   # packed rows per step: whole groups, up to 1024 (~2 MB of f32 temporaries)
+            hg, Kh = w.group // 2, K // 2
+            tk = max((c * hg for c in range(1, 1024 // hg + 1) if Kh % (c * hg) == 0),
+                     default=hg)
     if N % block_n:
         raise ValueError(f"block_n = {block_n} does not divide N = {N}")
     return bm, block_n, tk
@@ -320,7 +331,7 @@ def _qmm_pallas(x, w: QuantizedWeight, *, backend: str, interpret, block_m, bloc
                     pl.BlockSpec((1, bn), lambda i, j: (0, j))]
         args = (x, w.q, w.scales.reshape(1, N))
     else:
-        kernel = functools.partial(_qmm_int4_kernel, half_group=w.group // 2)
+        kernel = functools.partial(_qmm_int4_kernel, half_group=w.group // 2, tkp=tk)
         ng = K // w.group
         xs = x.reshape(Mp, K // 2, 2)
         in_specs = [pl.BlockSpec((bm, K // 2), lambda i, j: (i, 0)),

@@ -17,12 +17,15 @@ Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumul
 
 * ``quantized_matmul_reference`` — dequantize to f32, one f32 dot at HIGHEST precision.
 * ``quantized_matmul_xla`` — the CPU path: dequantize in one fused XLA loop, then one dot.
-  On this CPU it runs about as fast as streaming f32 weights, not faster (figures in
-  benchmarks/kernels.py --cpu-quant): XLA:CPU cannot fuse the int8->f32 conversion into
-  its GEMV, so the f32 weight is written to cache and read back. Its value today is
-  memory (4x / ~7x smaller weights); a compile of a whole model must use the
-  memory-optimized scheduler (see ``XLA_CPU_COMPILER_OPTIONS``) or XLA hoists every
-  layer's conversion to the start and keeps all the f32 copies live.
+  XLA:CPU cannot fuse the int8->f32 conversion into its GEMV, so the f32 weight is written
+  to cache and read back: it converts ~5-6 G weights/s, about the rate at which it streams
+  f32 weights from DRAM. Measured (benchmarks/kernels.py --cpu-quant, SmolLM2 shapes):
+  per matrix 1.1-1.7x faster than f32 at one row, 2-2.8x at two rows (f32's two-row dot is
+  slow); a whole decode step's matmuls about tie with f32 at one row (int4 layers with an
+  f32 LM head: ~1.2x). Its clear gain is memory (4x / ~7x smaller weights). A jitted model
+  must be compiled with ``XLA_CPU_COMPILER_OPTIONS`` (memory-optimized scheduler), or XLA
+  hoists every layer's conversion to the start and keeps all the f32 copies live (9x
+  slower step).
 * ``quantized_matmul_tpu`` / ``quantized_matmul_gpu`` — one Pallas kernel body, lowered by
   Mosaic (TPU) or Triton (GPU): the grid walks (row block, column block); each step loads
   its [K, block_n] slab of int8 weights (half that for int4) and dequantizes in registers
@@ -51,8 +54,9 @@ __all__ = ["QuantizedWeight", "quantize", "quantize_int8", "quantize_int4", "deq
 
 # Compile options for a jitted step that uses ``quantized_matmul_xla`` on XLA:CPU. The
 # default scheduler runs every weight conversion first (they depend only on parameters),
-# so a 30-layer model keeps ~200 f32 weight copies alive: measured 20x slower per matmul
-# than with this scheduler, which converts each weight right before its dot.
+# so a 30-layer model keeps ~200 f32 weight copies alive: a SmolLM2 decode step's matmuls
+# took 270-290 ms instead of 31-34 ms with this scheduler, which converts each weight
+# right before its dot.
 XLA_CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 _INT8_MAX = 127

@@ -1,0 +1,309 @@
+"""Shared pieces of the benchmarks: the workload, machine facts, a matmul ceiling probe,
+peak RSS, a JSON writer and the HF transformers peer.
+
+The workload is ``../shared/data/workload_smollm2.json`` next to the repository (the token
+ids the peer engines were measured on): ``decode`` (a 32-token prompt, 128 new tokens),
+``prefill`` (a 512-token prompt) and ``throughput`` (32 prompts of 16-256 tokens, 128 new
+tokens each). Every request generates exactly ``new_tokens`` (EOS ignored). When the file
+is missing, synthetic ids of the same shapes stand in (and every report says so).
+
+The HF peer is transformers' LlamaForCausalLM in float32 with the default model's weights
+read by transformers' own GGUF reader (as tests/test_default_model.py does), torch on 2
+threads, greedy ``generate`` of exactly ``new_tokens`` (min_new_tokens = max_new_tokens,
+no EOS), batches left-padded with an attention mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "shared/data"
+DEFAULT_WORKLOAD = DATA / "workload_smollm2.json"
+TORCH_THREADS = 2
+
+if str(REPO) not in sys.path:          # `python benchmarks/X.py` from the repo root
+    sys.path.insert(0, str(REPO))
+
+
+# ---------------------------------------------------------------------- arguments
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                   help="token-id workload JSON (default: %(default)s; synthetic ids if missing)")
+    p.add_argument("--out", default=None, help="write the full results as JSON to this path")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller run (fewer new tokens / prompts) for a fast smoke test")
+    return p
+
+
+def add_hf_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers peer")
+    p.add_argument("--hf-threads", default=str(TORCH_THREADS),
+                   help="torch thread counts to measure HF with, comma-separated (default: "
+                        "%(default)s; the first one is the reference peer). On a loaded machine "
+                        "torch's 2-thread OpenMP barriers stall; '2,1' shows how much")
+
+
+def hf_thread_list(args: argparse.Namespace) -> list[int]:
+    return [int(x) for x in str(args.hf_threads).split(",") if x.strip()]
+
+
+def set_hf_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------- workload
+
+def load_workload(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """{'source', 'synthetic', 'decode': {ids, new_tokens}, 'prefill': {ids, new_tokens},
+    'throughput': {prompts, new_tokens}}."""
+    path = Path(path) if path else DEFAULT_WORKLOAD
+    if path.exists():
+        d = json.loads(path.read_text())
+        return {
+            "source": str(path), "synthetic": False,
+            "decode": {"ids": list(d["decode"]["ids"]), "new_tokens": int(d["decode"]["new_tokens"])},
+            "prefill": {"ids": list(d["prefill"]["ids"]),
+                        "new_tokens": int(d["prefill"].get("new_tokens", 1))},
+            "throughput": {"prompts": [list(p) for p in d["throughput"]["prompts"]],
+                           "new_tokens": int(d["throughput"]["new_tokens"])},
+        }
+    print(f"WARNING: workload {path} not found: using SYNTHETIC token ids of the same shapes "
+          "(figures are not comparable with the peers' published ones)", file=sys.stderr)
+    import numpy as np
+
+    rng = np.random.default_rng(20261122)
+    ids = lambda n: rng.integers(100, 49152, size=n).tolist()   # noqa: E731
+    return {
+        "source": "synthetic", "synthetic": True,
+        "decode": {"ids": ids(32), "new_tokens": 128},
+        "prefill": {"ids": ids(512), "new_tokens": 1},
+        "throughput": {"prompts": [ids(int(n)) for n in rng.integers(16, 257, size=32)],
+                       "new_tokens": 128},
+    }
+
+
+# ---------------------------------------------------------------------- machine
+
+def load_avg() -> tuple[float, float, float]:
+    return tuple(round(x, 2) for x in os.getloadavg())
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def machine() -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+        "python": platform.python_version(), "load_avg_start": load_avg(),
+    }
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_ceiling(n: int = 2048, runs: int = 5) -> dict[str, float]:
+    """f32 n^3 jnp.dot GFLOP/s, median of ``runs`` timed calls after one warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"gflops": round(2 * n ** 3 / med / 1e9, 1), "n": n, "runs": runs,
+            "best_gflops": round(2 * n ** 3 / min(times) / 1e9, 1), "load_avg": load_avg()}
+
+
+def model_flops_per_token(cfg: Any) -> dict[str, float]:
+    """Matmul FLOPs of the default-model shapes: 2 x (non-embedding weights) per token through
+    the layers, and 2 x hidden x vocab per token whose logits are computed (the LM head).
+    Attention's score/value dots are left out (small next to the weights at these lengths;
+    see ``attention_flops``)."""
+    h, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    o = cfg.num_heads * cfg.head_dim * h
+    layer_params = qkv + o + 3 * h * f
+    return {"layer_params": L * layer_params, "per_token": 2.0 * L * layer_params,
+            "per_logit_row": 2.0 * h * cfg.vocab_size}
+
+
+def attention_flops(cfg: Any, context_lens: Sequence[int]) -> float:
+    """2 dots (QK^T and PV) x 2 FLOPs x heads x head_dim per (query, key) pair, causal."""
+    return sum(4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n for n in context_lens)
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    text = json.dumps(result, indent=1, default=str)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+        print(f"results written to {path}")
+
+
+def print_table(rows: Sequence[tuple[str, Any]], title: str = "") -> None:
+    if title:
+        print(f"\n== {title}")
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+# ---------------------------------------------------------------------- HF peer
+
+def transformers_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def load_hf_model() -> tuple[Any, float]:
+    """The default model in transformers (float32, from its own GGUF reader); (model, secs)."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from jaxinfer.loading.default import default_model_path
+
+    torch.set_num_threads(TORCH_THREADS)
+    t0 = time.perf_counter()
+    path = default_model_path()
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=49152))
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    cfg = dict(parsed["config"])
+    cfg.pop("model_type", None)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise RuntimeError(f"HF GGUF load: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model, time.perf_counter() - t0
+
+
+class _TokenClock:
+    """A generate() streamer recording when each new token arrives (batch 1): the first
+    ``put`` is the prompt, every later one a generated token."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter() - self.t0)
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
+                 streamer: Any = None) -> list[list[int]]:
+    import torch
+
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for b, p in enumerate(prompts):        # left padding: every row's last token at L - 1
+        ids[b, L - len(p):] = torch.tensor(list(p))
+        mask[b, L - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, streamer=streamer)
+    return out[:, L:].tolist()
+
+
+def hf_warmup(model: Any) -> None:
+    _hf_generate(model, [[1, 2, 3, 4]], 4)
+
+
+def hf_latency(model: Any, ids: Sequence[int], new_tokens: int) -> dict[str, Any]:
+    """Batch-1 greedy generate with per-token times: TTFT, total, decode tok/s."""
+    clock = _TokenClock()
+    toks = _hf_generate(model, [ids], new_tokens, streamer=clock)[0]
+    total = time.perf_counter() - clock.t0
+    return latency_figures(clock.times, total, len(toks), toks)
+
+
+def hf_throughput(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = _hf_generate(model, prompts, new_tokens)
+    secs = time.perf_counter() - t0
+    n_out = sum(len(o) for o in out)
+    n_in = sum(len(p) for p in prompts)
+    return {"seconds": secs, "output_tokens": n_out, "prompt_tokens": n_in,
+            "output_tok_s": n_out / secs, "total_tok_s": (n_out + n_in) / secs,
+            "token_ids": out, "load_avg": load_avg()}
+
+
+def latency_figures(times: Sequence[float], total: float, n: int, toks: Sequence[int]) -> dict[str, Any]:
+    """From the arrival time of each generated token (seconds after submission):
+    TTFT, end-to-end tok/s (n / total) and decode tok/s ((n - 1) / (total - TTFT))."""
+    ttft = times[0] if times else total
+    decode = (n - 1) / (times[-1] - ttft) if n > 1 and times and times[-1] > ttft else None
+    return {"ttft_s": ttft, "total_s": total, "new_tokens": n, "e2e_tok_s": n / total,
+            "decode_tok_s": decode, "token_ids": list(toks), "load_avg": load_avg()}
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,251 @@
+"""Offline throughput of the engine, in the manner of ``vllm bench throughput``, with HF
+transformers' batched ``generate`` measured in the same run on the same ids.
+
+The workload's ``throughput`` set: 32 prompts of 16-256 tokens (4,001 in all), 128 new
+tokens each, EOS ignored, all submitted at once (``Engine.generate``). Per engine variant:
+
+* output tokens/s (generated tokens / wall time of ``generate``) and total tokens/s
+  (prompt + generated);
+* host time per step (scheduling + batch building + sampling-param packing + postprocess,
+  ``engine.host_seconds / num_steps``) next to device time per step (dispatch, forward,
+  sampler and the one device->host copy, ``engine.device_seconds / num_steps``);
+* model FLOP/s as a fraction of the matmul ceiling measured in the same run. Model FLOPs =
+  2 x non-embedding weights x tokens fed through the layers (every prompt token plus
+  every generated token but the last of each request) + 2 x hidden x vocab x sampled
+  tokens (the LM head only runs on rows that sample). Attention's QK/PV dots are left out
+  of that figure and reported separately; padding inside buckets is not counted (it is
+  work the engine does but not useful work).
+
+Variants (``--variants``, comma-separated, all in one run so their ratios are fair):
+``inv`` batch-invariant matmuls (the default), ``fast`` plain matmuls; suffix ``@N`` sets
+max_num_batched_tokens (default 512); prefix ``auto:`` uses the engine's default bucket
+ladders instead of the tuned ones below. The cost of batch invariance is reported as
+(fast / inv - 1) when both are run.
+
+Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots, one
+prefill chunk of 64/128/256 tokens (a workload prompt is at most 256 tokens, so one chunk
+holds it) or four of 32, page tables of 32 pages (max_model_len 512).
+
+    python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--out /tmp/throughput.json]
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import common as C
+
+MAX_MODEL_LEN = 512
+
+
+def parse_variant(v: str, max_num_seqs: int) -> dict:
+    ladder = "tuned"
+    if ":" in v:
+        ladder, v = v.split(":", 1)
+    name, _, budget = v.partition("@")
+    if name not in ("inv", "fast") or ladder not in ("tuned", "auto"):
+        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:]inv|fast[@tokens])")
+    budget = int(budget or 512)
+    cfg = dict(dtype="float32", page_size=16, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
+               batch_invariant=name == "inv",
+               num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
+    if ladder == "tuned":
+        chunks = [c for c in (64, 128, 256) if c <= budget] or [budget]
+        cfg.update(decode_buckets=tuple(sorted({min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs})),
+                   mixed_decode_buckets=(0, max_num_seqs),
+                   prefill_buckets=tuple(sorted({(1, c) for c in chunks} | {(4, 32)})),
+                   page_buckets=(MAX_MODEL_LEN // 16,))
+    return {"label": f"{ladder}:{name}@{budget}", "config": cfg}
+
+
+def model_flops(cfg, prompts, n_new: int) -> dict:
+    f = C.model_flops_per_token(cfg)
+    fed = sum(len(p) for p in prompts) + len(prompts) * (n_new - 1)
+    sampled = len(prompts) * n_new
+    ctx = [n for p in prompts for n in range(1, len(p) + n_new)]    # each fed token's context
+    return {"tokens_fed": fed, "tokens_sampled": sampled,
+            "model_flops": f["per_token"] * fed + f["per_logit_row"] * sampled,
+            "attention_flops": C.attention_flops(cfg, ctx),
+            "non_embedding_params": f["layer_params"]}
+
+
+def step_breakdown(steps_log) -> dict:
+    """Device time split between steps that carry prefill chunks and pure decode steps,
+    with the padding the buckets add (tokens computed / tokens needed)."""
+    out = {}
+    for kind, rows in (("mixed", [r for r in steps_log if r[0].num_prefill]),
+                       ("decode", [r for r in steps_log if not r[0].num_prefill])):
+        if not rows:
+            continue
+        real = sum(r[2] for r in rows)
+        padded = sum(r[0].num_tokens for r in rows)
+        out[kind] = {"steps": len(rows), "seconds": sum(r[1] for r in rows),
+                     "ms_per_step": sum(r[1] for r in rows) / len(rows) * 1e3,
+                     "tokens": real, "padded_tokens": padded, "padding_overhead": padded / real - 1}
+    buckets: dict[str, list] = {}
+    for b, secs, _ in steps_log:
+        key = f"d{b.num_decode}+{b.num_prefill}x{b.prefill_chunk}/p{b.max_pages}"
+        buckets.setdefault(key, []).append(secs)
+    out["buckets"] = {k: {"steps": len(v), "seconds": sum(v), "ms_per_step": sum(v) / len(v) * 1e3}
+                      for k, v in sorted(buckets.items(), key=lambda kv: -sum(kv[1]))}
+    return out
+
+
+def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling: float) -> dict:
+    from jaxinfer import Engine
+    from jaxinfer.config import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine(loaded=loaded, progress=False, **variant["config"])
+    init = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate([p[:40] for p in prompts[:6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    first = time.perf_counter() - t0
+    steps0, host0, dev0 = engine.num_steps, engine.host_seconds, engine.device_seconds
+    la0 = C.load_avg()
+    steps_log = []
+    execute = engine.runner.execute
+
+    def timed_execute(batch, t):                   # per-step bucket and time, for the breakdown
+        t1 = time.perf_counter()
+        out = execute(batch, t)
+        steps_log.append((batch.bucket, time.perf_counter() - t1,
+                          sum(e.num_new_tokens for _, e in batch.entries)))
+        return out
+
+    engine.runner.execute = timed_execute
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp)
+    secs = time.perf_counter() - t0
+    engine.runner.execute = execute
+    steps = engine.num_steps - steps0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    host, dev = engine.host_seconds - host0, engine.device_seconds - dev0
+    r = {"label": variant["label"], "config": variant["config"], "engine_init_s": init,
+         "compile_s": engine.compile_seconds, "num_buckets": len(engine.ladders.all_buckets()),
+         "first_run_s": first, "seconds": secs, "output_tokens": n_out, "prompt_tokens": n_in,
+         "output_tok_s": n_out / secs, "total_tok_s": (n_out + n_in) / secs, "steps": steps,
+         "host_us_per_step": host / steps * 1e6, "device_ms_per_step": dev / steps * 1e3,
+         "other_s": secs - host - dev,
+         "model_gflops": flops["model_flops"] / secs / 1e9,
+         "ceiling_fraction": flops["model_flops"] / secs / 1e9 / ceiling,
+         "with_attention_gflops": (flops["model_flops"] + flops["attention_flops"]) / secs / 1e9,
+         "preemptions": engine.stats()["num_preemptions_total"],
+         "breakdown": step_breakdown(steps_log),
+         "token_ids": [o.outputs[0].token_ids for o in outs],
+         "load_avg_start": la0, "load_avg": C.load_avg()}
+    del engine
+    gc.collect()
+    return r
+
+
+def main() -> None:
+    p = C.base_parser(__doc__)
+    p.add_argument("--variants", default="inv,fast",
+                   help="engine variants to run, comma-separated (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--quantization", default=None, help="weight quantization (not implemented yet)")
+    p.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="JAX persistent compilation cache (a second run loads the executables: "
+                        "warm start); default none, so compile time is the cold figure")
+    C.add_hf_args(p)
+    args = p.parse_args()
+    if args.quantization:
+        p.error(f"--quantization {args.quantization}: not implemented yet")
+    variants = [parse_variant(v.strip(), args.max_num_seqs) for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if args.compilation_cache:
+            v["config"]["compilation_cache_dir"] = args.compilation_cache
+
+    from jaxinfer.loading import load_model
+
+    w = C.load_workload(args.workload)
+    prompts, n_new = w["throughput"]["prompts"], w["throughput"]["new_tokens"]
+    if args.quick:
+        prompts, n_new = prompts[:8], 32
+    res = {"machine": C.machine(), "workload": w["source"], "synthetic": w["synthetic"],
+           "quick": args.quick, "args": vars(args), "num_prompts": len(prompts), "new_tokens": n_new}
+    res["matmul_ceiling"] = C.matmul_ceiling()
+    ceiling = res["matmul_ceiling"]["gflops"]
+    loaded = load_model(None)
+    flops = res["flops"] = model_flops(loaded.config, prompts, n_new)
+
+    res["engines"] = [run_engine(loaded, v, prompts, n_new, flops, ceiling) for v in variants]
+
+    hf, threads = None, C.hf_thread_list(args)
+    if args.hf and C.transformers_available():
+        hf, res["hf_load_s"] = C.load_hf_model()
+        C.hf_warmup(hf)
+        res["hf_threads"] = {}
+        for th in threads:
+            C.set_hf_threads(th)
+            h = res["hf_threads"][th] = C.hf_throughput(hf, prompts, n_new)
+            h["threads"] = th
+            h["model_gflops"] = flops["model_flops"] / h["seconds"] / 1e9
+        res["hf"] = res["hf_threads"][threads[0]]
+    elif args.hf:
+        print("transformers/torch not importable: HF peer skipped")
+    res["matmul_ceiling_end"] = C.matmul_ceiling()
+
+    rows = [
+        ("machine", f"{res['machine']['cpu']}, {res['machine']['cores']} cores, "
+                    f"jax {res['machine']['jax']}, {res['machine']['date']}"),
+        ("workload", f"{w['source']}{' (SYNTHETIC)' if w['synthetic'] else ''}: {len(prompts)} prompts, "
+                     f"{sum(len(x) for x in prompts)} prompt tokens, {n_new} new each"),
+        ("matmul ceiling f32 2048^3", f"{ceiling} GFLOP/s (start), "
+                                      f"{res['matmul_ceiling_end']['gflops']} (end)"),
+        ("model GFLOP per run", f"{flops['model_flops'] / 1e9:.0f} (+ attention "
+                                f"{flops['attention_flops'] / 1e9:.0f})"),
+    ]
+    for e in res["engines"]:
+        rows += [(e["label"], f"{e['output_tok_s']:.1f} out tok/s, {e['total_tok_s']:.1f} total tok/s, "
+                              f"{e['steps']} steps, host {e['host_us_per_step']:.0f} us/step vs device "
+                              f"{e['device_ms_per_step']:.1f} ms/step, {e['ceiling_fraction'] * 100:.0f}% of "
+                              f"ceiling, compile {e['compile_s']:.0f} s ({e['num_buckets']} buckets), "
+                              f"preemptions {e['preemptions']}, load {e['load_avg'][0]}")]
+        for kind in ("mixed", "decode"):
+            b = e["breakdown"].get(kind)
+            if b:
+                rows.append((f"  {kind} steps", f"{b['steps']} steps, {b['seconds']:.1f} s, {b['ms_per_step']:.0f} ms/step, "
+                                                f"{b['tokens']} tokens (+{b['padding_overhead'] * 100:.0f}% padding)"))
+    res["batch_invariance_cost"] = {}
+    for e in res["engines"]:                 # pair inv with fast of the same ladder and budget
+        if ":inv@" not in e["label"]:
+            continue
+        f = next((x for x in res["engines"] if x["label"] == e["label"].replace(":inv@", ":fast@")), None)
+        if f is None:
+            continue
+        cost = f["output_tok_s"] / e["output_tok_s"] - 1
+        res["batch_invariance_cost"][e["label"]] = cost
+        same = sum(a == b for a, b in zip(e["token_ids"], f["token_ids"]))
+        rows.append((f"batch-invariance cost {e['label'].split(':')[0]}",
+                     f"{cost * 100:+.1f}% (fast/inv - 1; {same}/{len(prompts)} outputs identical)"))
+    for th, h in res.get("hf_threads", {}).items():
+        t = f"HF {th} thr"
+        rows.append((t, f"{h['output_tok_s']:.1f} out tok/s, {h['total_tok_s']:.1f} total tok/s "
+                        f"({h['seconds']:.0f} s, load {h['load_avg'][0]})"))
+        ratios = {e["label"]: e["output_tok_s"] / h["output_tok_s"] for e in res["engines"]}
+        h["ratios"] = ratios
+        h["floor_throughput_2_5x"] = {k: v >= 2.5 for k, v in ratios.items()}
+        for e in res["engines"]:
+            same = sum(a == b for a, b in zip(e["token_ids"], h["token_ids"]))
+            rows.append((f"ratio {e['label']}/{t}", f"{ratios[e['label']]:.2f}x (floor >= 2.5x: "
+                                                    f"{'holds' if ratios[e['label']] >= 2.5 else 'FAILS'}); "
+                                                    f"{same}/{len(prompts)} outputs identical to HF"))
+    if "hf" in res:
+        res["ratios"] = res["hf"]["ratios"]
+        res["floor_throughput_2_5x"] = res["hf"]["floor_throughput_2_5x"]
+    res["peak_rss_mib"] = C.peak_rss_mib()
+    res["load_avg_end"] = C.load_avg()
+    rows += [("peak RSS", f"{res['peak_rss_mib']:.0f} MiB"),
+             ("load average start / end", f"{res['machine']['load_avg_start']} / {res['load_avg_end']}")]
+    C.print_table(rows, "throughput (offline, all requests at once)")
+    C.write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

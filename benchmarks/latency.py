@@ -78,6 +78,9 @@ def main() -> None:
     p = C.base_parser(__doc__)
     p.add_argument("--batch-invariant", action=__import__("argparse").BooleanOptionalAction,
                    default=True, help="batch-invariant matmuls (engine default: on)")
+    p.add_argument("--compare-invariance", action="store_true",
+                   help="also run an engine with the other batch_invariant setting (same run, "
+                        "interleaved) and report the cost of invariance")
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=640)
@@ -115,6 +118,13 @@ def main() -> None:
     engine_request(engine, dec["ids"][:8], 2)          # first execution of the executables
     engine_request(engine, pre["ids"], 1)
     res["engine_first_run_s"] = time.perf_counter() - t0
+    other = None
+    if args.compare_invariance:
+        ocfg = dict(cfg, batch_invariant=not args.batch_invariant)
+        other = Engine(loaded=loaded, progress=False, **ocfg)
+        res["other_compile_s"] = other.compile_seconds
+        engine_request(other, dec["ids"][:8], 2)
+        engine_request(other, pre["ids"], 1)
     res["load_avg_after_warmup"] = C.load_avg()
 
     hf, threads = None, C.hf_thread_list(args)
@@ -124,11 +134,14 @@ def main() -> None:
     elif args.hf:
         print("transformers/torch not importable: HF peer skipped")
 
-    ours_dec, ours_pre = [], []
+    ours_dec, ours_pre, other_dec, other_pre = [], [], [], []
     hf_runs = {th: ([], []) for th in threads}
     for _ in range(args.repeats):             # interleaved so both see the same load
         ours_dec.append(engine_request(engine, dec["ids"], n_dec))
         ours_pre.append(engine_request(engine, pre["ids"], 1))
+        if other is not None:
+            other_dec.append(engine_request(other, dec["ids"], n_dec))
+            other_pre.append(engine_request(other, pre["ids"], 1))
         for th in threads if hf is not None else ():
             C.set_hf_threads(th)
             hf_runs[th][0].append(C.hf_latency(hf, dec["ids"], n_dec))
@@ -150,6 +163,22 @@ def main() -> None:
                         f"device {od['device_ms_per_step']:.1f} ms/step)"),
         ("ours TTFT 512", f"{op['ttft_s'] * 1e3:.0f} ms ({len(pre['ids']) / op['ttft_s']:.0f} tok/s)"),
     ]
+    if other is not None:
+        xd, xp = best(other_dec, "decode_tok_s", lower=False), best(other_pre, "ttft_s")
+        inv_d, fast_d = (od, xd) if args.batch_invariant else (xd, od)
+        inv_p, fast_p = (op, xp) if args.batch_invariant else (xp, op)
+        res["other"] = {"batch_invariant": not args.batch_invariant, "decode": xd, "prefill": xp,
+                        "all_decode": other_dec, "all_prefill": other_pre}
+        res["batch_invariance_cost"] = {"decode": fast_d["decode_tok_s"] / inv_d["decode_tok_s"] - 1,
+                                        "ttft_512": inv_p["ttft_s"] / fast_p["ttft_s"] - 1}
+        rows += [
+            (f"other (batch_invariant={not args.batch_invariant})",
+             f"decode {xd['decode_tok_s']:.1f} tok/s (device {xd['device_ms_per_step']:.1f} ms/step), "
+             f"TTFT 512 {xp['ttft_s'] * 1e3:.0f} ms; compile {res['other_compile_s']:.1f} s"),
+            ("batch-invariance cost", f"decode {res['batch_invariance_cost']['decode'] * 100:+.0f}% "
+                                      f"(fast/inv - 1), TTFT-512 {res['batch_invariance_cost']['ttft_512'] * 100:+.0f}% "
+                                      f"(inv/fast - 1); tokens identical: {xd['token_ids'] == od['token_ids']}"),
+        ]
     if hf is not None:
         res["hf_threads"] = {}
         for th in threads:

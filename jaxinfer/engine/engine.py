@@ -43,6 +43,7 @@ class _Request:
     seeds: list[int]
     logprobs: list[list[Logprob]] | None
     metrics: RequestMetrics
+    replica: int = 0                    # data-parallel replica running it
     finished: bool = False
     stop_reasons: list[Any] = field(default_factory=list)
 
@@ -79,7 +80,6 @@ class Engine:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
         from jaxinfer.engine import kv_cache as kvc
-        from jaxinfer.engine.runner import ModelRunner
         from jaxinfer.loading import load_model
 
         if config is not None and not isinstance(config, EngineConfig):
@@ -88,27 +88,30 @@ class Engine:
         self.config = config
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
-        self.loaded = loaded if loaded is not None else load_model(model, config.dtype)
+        meshes = _replica_meshes(config)
+        if loaded is None:
+            loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
+        self.loaded = loaded
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = model or os.path.basename(self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
+        models = _place_replicas(loaded, meshes)
+        run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it
         dtype = self.loaded.model.dtype
-        probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
+        probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, run_cfg.num_kv_heads, mc.head_dim, dtype)
         num_pages = config.num_pages or max(2, kv_budget(config) // probe.bytes_per_page)
-        self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads,
+        self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,
                                        mc.head_dim, dtype)
         self.ladders = self._ladders()
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len, config.max_waiting,
-                                   max_prefill_chunk=self.ladders.max_single_chunk,
-                                   multi_prefill=self.ladders.max_multi)
-        self.runner = ModelRunner(self.loaded.model, self.kv_spec, config.max_num_seqs + 1, attention,
-                                  config.batch_invariant)
-        self._free_rows = list(range(config.max_num_seqs, 0, -1))   # row 0: padding sink
-        self._rows: dict[int, int] = {}
+        self.publisher = None
+        if meshes and _num_processes() > 1:
+            from jaxinfer.engine.multihost import StepPublisher
+            if _process_index() == 0:
+                self.publisher = StepPublisher()
+        self.replicas = [self._make_replica(m, mesh, attention)
+                         for m, mesh in zip(models, meshes or [None])]
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -119,6 +122,50 @@ class Engine:
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.compile_seconds = self._warmup(progress)
+
+    def _make_replica(self, model: Any, mesh: Any, attention: str) -> "_Replica":
+        from jaxinfer.engine.runner import ModelRunner
+
+        c = self.config
+        bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching)
+        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
+                          max_prefill_chunk=self.ladders.max_single_chunk,
+                          multi_prefill=self.ladders.max_multi)
+        runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
+                             mesh=mesh, publisher=self.publisher)
+        return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)))   # row 0: padding sink
+
+    # The first replica's parts, for single-replica callers (benchmarks, tests).
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.replicas[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.replicas[0].block_manager
+
+    @property
+    def runner(self) -> Any:
+        return self.replicas[0].runner
+
+    @property
+    def is_follower(self) -> bool:
+        """True on processes other than 0 under jax.distributed: they only replay steps."""
+        return self.publisher is None and bool(_replica_meshes(self.config)) and _num_processes() > 1
+
+    def follow(self) -> int:
+        """A follower process's main loop (see engine/multihost.py); returns steps run."""
+        from jaxinfer.engine.multihost import follow
+
+        if not self.is_follower:
+            raise RuntimeError("follow(): only processes other than 0 under jax.distributed follow")
+        return follow(self.runner)
+
+    def shutdown(self) -> None:
+        """Release follower processes (multi-process engines); harmless otherwise."""
+        if self.publisher is not None:
+            self.publisher.stop()
+            self.publisher = None
 
     # ---- start-up -----------------------------------------------------------------
     def _ladders(self) -> BucketLadders:
@@ -134,8 +181,11 @@ class Engine:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(buckets), desc="compiling buckets", unit="bucket", leave=False)
-        secs = self.runner.compile_all(buckets, (lambda i, n, b: bar.update(1)) if bar else None)
+            bar = tqdm(total=len(buckets) * len(self.replicas), desc="compiling buckets", unit="bucket",
+                       leave=False)
+        secs = 0.0
+        for rep in self.replicas:
+            secs += rep.runner.compile_all(buckets, (lambda i, n, b: bar.update(1)) if bar else None)
         if bar:
             bar.close()
         log.info("compiled %d buckets in %.1fs", len(buckets), secs)
@@ -176,14 +226,16 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         seqs = make_sequences(request_id, ids, params, priority=priority)
-        self.scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        # Data parallelism: the least loaded replica takes it (sequences running or waiting).
+        replica = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
+        self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
         seeds = [derive_seed(params.seed, i) if params.seed is not None
                  else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output) for _ in seqs]
         lps = None if params.logprobs is None else [[] for _ in seqs]
         self._requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
-                                              RequestMetrics(arrival_time=time.monotonic()))
+                                              RequestMetrics(arrival_time=time.monotonic()), replica)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -191,8 +243,9 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        for seq in self.scheduler.abort(request_id):
-            self._release_row(seq)
+        rep = self.replicas[req.replica]
+        for seq in rep.scheduler.abort(request_id):
+            rep.release_row(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -200,27 +253,37 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run -> postprocess. Returns outputs of requests that
-        changed (cumulative snapshots), finished ones included once, last."""
+        """One iteration: schedule -> run -> postprocess, on every replica (their device
+        steps run concurrently). Returns outputs of requests that changed (cumulative
+        snapshots), finished ones included once, last."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        for seq in sched.preempted:
-            self._release_row(seq)
-        if sched.is_empty:
+        pending = []
+        for rep in self.replicas:
+            sched = rep.scheduler.schedule()
+            for seq in sched.preempted:
+                rep.release_row(seq)
+            if sched.is_empty:
+                continue
+            now = time.monotonic()
+            for e in sched.scheduled:
+                if e.seq.seq_id not in rep.rows:
+                    rep.rows[e.seq.seq_id] = rep.free_rows.pop()
+                req = self._requests[e.seq.request_id]
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows)
+            t = self._sampling_tensors(batch)
+            pending.append((rep, sched, batch, rep.runner.dispatch(batch, t)))
+        if not pending:
             return []
-        now = time.monotonic()
-        for e in sched.scheduled:
-            if e.seq.seq_id not in self._rows:
-                self._rows[e.seq.seq_id] = self._free_rows.pop()
-            req = self._requests[e.seq.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, self._rows)
-        t = self._sampling_tensors(batch)
         t1 = time.perf_counter()
-        packed = self.runner.execute(batch, t)
+        fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
+        if self.publisher is not None:
+            self.publisher.step_done()
         t2 = time.perf_counter()
-        outs = self._postprocess(sched, batch, packed)
+        outs = []
+        for rep, sched, batch, packed in fetched:
+            outs += self._postprocess(rep, sched, batch, packed)
         t3 = time.perf_counter()
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -240,13 +303,14 @@ class Engine:
             steps[slot] = e.seq.num_output_tokens
         return S.sampling_tensors_from_params(params, seeds, steps, n)
 
-    def _postprocess(self, sched: SchedulerOutput, batch, packed: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, batch, packed: np.ndarray
+                     ) -> list[RequestOutput]:
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
         sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in batch.entries if e.samples}
         slot_of = {e.seq.seq_id: slot for slot, e in batch.entries}
-        grew = self.scheduler.postprocess(sched, sampled)
+        grew = rep.scheduler.postprocess(sched, sampled)
         self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
                                         if e.start_pos < e.seq.num_prompt_tokens)
         now = time.monotonic()
@@ -289,13 +353,9 @@ class Engine:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
-        self.scheduler.finish(seq, reason, stop_reason)
-        self._release_row(seq)
-
-    def _release_row(self, seq: Sequence) -> None:
-        row = self._rows.pop(seq.seq_id, None)
-        if row is not None:
-            self._free_rows.append(row)
+        rep = self.replicas[self._requests[seq.request_id].replica]
+        rep.scheduler.finish(seq, reason, stop_reason)
+        rep.release_row(seq)
 
     # ---- batch API ----------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
@@ -340,18 +400,91 @@ class Engine:
         return [final[i] for i in ids]
 
     def stats(self) -> dict[str, Any]:
-        bm = self.block_manager
+        reps = self.replicas
+        total = sum(r.block_manager.num_usable_pages for r in reps)
+        free = sum(r.block_manager.num_free_pages for r in reps)
         return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": bm.usage,
-            "num_free_pages": bm.num_free_pages,
-            "num_total_pages": bm.num_usable_pages,
-            "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "num_running": sum(r.scheduler.num_running for r in reps),
+            "num_waiting": sum(r.scheduler.num_waiting for r in reps),
+            "kv_cache_usage": (total - free) / total if total else 0.0,
+            "num_free_pages": free,
+            "num_total_pages": total,
+            "num_preemptions_total": sum(r.scheduler.num_preemptions_total for r in reps),
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
         }
+
+
+@dataclass
+class _Replica:
+    """One data-parallel replica: its own scheduler, KV pages and device executables."""
+
+    scheduler: Scheduler
+    block_manager: BlockManager
+    runner: Any                                   # engine.runner.ModelRunner
+    free_rows: list[int]                          # penalty-state rows not in use
+    rows: dict[int, int] = field(default_factory=dict)   # seq_id -> penalty-state row
+
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    def release_row(self, seq: Sequence) -> None:
+        row = self.rows.pop(seq.seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+
+def _num_processes() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _replica_meshes(config: EngineConfig) -> list[Any]:
+    """One mesh per data-parallel replica; [] for the plain single-device engine."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    if tp == 1 and dp == 1 and _num_processes() == 1:
+        return []
+    from jaxinfer import sharding
+
+    if dp > 1 and _num_processes() > 1:
+        raise ValueError("data_parallel_size > 1 with several processes is not supported: run one "
+                         "engine per host instead, or use the hosts for tensor parallelism")
+    return sharding.replica_meshes(sharding.make_mesh(tp, dp))
+
+
+def _place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:
+    """The model for each replica: the loaded one (placed on the first mesh, re-placed from
+    its host values if it was loaded elsewhere), copied shard by shard onto the others."""
+    if not meshes:
+        return [loaded.model]
+    import jax
+    from flax import nnx
+
+    from jaxinfer.loading import build_model
+    from jaxinfer.models.llama import flat_params
+
+    first = loaded.model
+    leaf = jax.tree.leaves(nnx.state(first))[0]
+    if getattr(leaf.sharding, "mesh", None) != meshes[0]:
+        from jaxinfer.sharding import host_value
+        flat = {k: host_value(v) for k, v in flat_params(first).items()}
+        first = build_model(loaded.config, flat, first.dtype, meshes[0])
+    models = [first]
+    graphdef, state = nnx.split(first)
+    for mesh in meshes[1:]:
+        moved = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, x.sharding.spec)),
+                             state)
+        models.append(nnx.merge(graphdef, moved))
+    return models
 
 
 def kv_budget(config: EngineConfig) -> int:

@@ -86,11 +86,15 @@ class KVCacheSpec:
                            self.dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec) -> KVCache:
-    """Zero-filled pages: a list over layers of (k_pages, v_pages)."""
+def allocate_kv_cache(spec: KVCacheSpec, sharding: Any = None) -> KVCache:
+    """Zero-filled pages: a list over layers of (k_pages, v_pages). ``sharding``: where the
+    pages live (tensor parallelism splits them by KV head); each device allocates its part."""
     shape = (spec.num_pages, *spec.page_shape)
-    return [(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))
-            for _ in range(spec.num_layers)]
+    if sharding is None:
+        return [(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))
+                for _ in range(spec.num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
 
 
 def kv_cache_shapes(spec: KVCacheSpec) -> KVCache:

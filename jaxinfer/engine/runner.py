@@ -5,6 +5,12 @@ batch (one per bucket; KV pages and penalty state donated, updated in place) and
 sampler (one per slot count S), which returns one packed i32[S, 2 + 2K] array: a single
 device->host copy per step.
 
+Tensor parallelism: with a mesh whose "model" axis is > 1 the forward's model body runs
+under ``jax.shard_map`` (weights and KV pages sharded as sharding.py says, the step's
+arrays replicated, the logits all-gathered); the sampler runs replicated on every device
+of the mesh. With several processes (jax.distributed), process 0 publishes every step's
+host arrays (engine/multihost.py) and the others replay them: all run the same step.
+
 After ``compile_all`` the runner only calls ``Compiled`` objects: a compile after warm-up
 is impossible by construction for a known bucket, and an unknown bucket raises.
 """
@@ -21,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
@@ -70,16 +77,29 @@ def _any_penalty(t: S.SamplingTensors) -> jax.Array:
     return ((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)).any()
 
 
-def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
-               bucket: Bucket, attention: Callable, invariant: bool):
-    """One executable per bucket: the model over the ragged batch -> logits f32[S, V]."""
+def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Bucket,
+               attention: Callable, invariant: bool, tp_axis: str | None):
+    """The model over the ragged batch -> (logits f32[S, V], kv). Per device under shard_map."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg.head_dim ** -0.5,
                               cfg.sliding_window)
     mm = L.tiled_matmul if invariant else L.matmul
-    logits, kv = model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm)
+    return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
+
+
+def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
+               bucket: Bucket, attention: Callable, invariant: bool, mesh=None, state_specs=None):
+    """One executable per bucket: the model over the ragged batch -> logits f32[S', V]."""
+    body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
+                             invariant=invariant, tp_axis=None if mesh is None else shd.MODEL)
+    if mesh is not None:
+        # check_vma off: the logits leave replicated by construction (all-gathered), which
+        # the varying-axes checker cannot see through the attention's index arithmetic.
+        body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, shd.KV_PAGES_SPEC, shd.P()),
+                             out_specs=(shd.P(), shd.KV_PAGES_SPEC), check_vma=False)
+    logits, kv = body(state, kv, arrays)
     logits = jnp.pad(logits, ((0, bucket.sample_rows - bucket.num_seqs), (0, 0)))   # [S', V]
     return logits, kv, _update_penalty_state(pen, t, arrays)
 
@@ -93,37 +113,66 @@ def sample_fn(logits, pen, rows, t: S.SamplingTensors):
 
 
 class ModelRunner:
+    """Owns the device state of one engine replica (weights, KV pages, penalty state) and
+    its executables. ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the
+    default device. ``publisher``: process 0's step broadcaster under jax.distributed."""
+
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
-                 attention: str = "auto", batch_invariant: bool = True):
+                 attention: str = "auto", batch_invariant: bool = True, mesh=None,
+                 publisher: Any = None):
         self.cfg = model.cfg
         self.spec = spec
+        self.mesh = mesh
+        self.publisher = publisher
         self.graphdef, self.state = nnx.split(model)
         self.attention_name, attn_impl = dispatch.select(attention)
-        self.kv = kvc.allocate_kv_cache(spec)
         V = self.cfg.vocab_size
-        self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
+        if mesh is None:
+            self.kv = kvc.allocate_kv_cache(spec)
+            self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
+            state_specs = None
+        else:
+            self.kv = kvc.allocate_kv_cache(spec, jax.sharding.NamedSharding(mesh, shd.KV_PAGES_SPEC))
+            rep = shd.replicated(mesh)
+            zeros = lambda shape, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rep)()  # noqa: E731
+            self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
+            state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
         self.num_rows = num_rows
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl,
-                                                  invariant=batch_invariant),
+                                                  invariant=batch_invariant, mesh=mesh,
+                                                  state_specs=state_specs),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
+        # With a mesh the sampler runs on one device of this process (the logits are
+        # replicated, so any copy will do): sampling on every device would repeat the same
+        # work, and XLA:CPU's TopkDecomposer crashes compiling the sampler's barrier-wrapped
+        # top-k for several devices. Followers (multi-process) do not sample at all.
+        self.sample_device = None if mesh is None else next(
+            d for d in mesh.devices.flat if d.process_index == jax.process_index())
         self._sample = jax.jit(sample_fn)
         self.executables: dict[Bucket, Any] = {}
         self.samplers: dict[int, Any] = {}
         self.compile_seconds = 0.0
 
+    def _abstract(self, x, sharding=None):
+        """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
+        if self.mesh is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
+
     def _abstract_args(self, b: Bucket):
         T, Sn, P = b.num_tokens, b.num_seqs, b.max_pages
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)   # noqa: E731
-        arrays = {"tokens": i32(T), "positions": i32(T), "slot_mapping": i32(T),
-                  "kv_lens": i32(Sn), "q_lens": i32(Sn), "page_table": i32(Sn, P),
-                  "logits_index": i32(Sn), "rows": i32(Sn),
-                  "reset_rows": jax.ShapeDtypeStruct((Sn,), bool), "token_rows": i32(T),
-                  "token_is_output": jax.ShapeDtypeStruct((T,), bool)}
+        rep = None if self.mesh is None else shd.replicated(self.mesh)
+        host = lambda shape, dt: self._abstract(np.empty(shape, dt), rep)   # noqa: E731
+        arrays = {"tokens": host(T, np.int32), "positions": host(T, np.int32),
+                  "slot_mapping": host(T, np.int32), "kv_lens": host(Sn, np.int32),
+                  "q_lens": host(Sn, np.int32), "page_table": host((Sn, P), np.int32),
+                  "logits_index": host(Sn, np.int32), "rows": host(Sn, np.int32),
+                  "reset_rows": host(Sn, bool), "token_rows": host(T, np.int32),
+                  "token_is_output": host(T, bool)}
         t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
-        t = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        return (jax.tree.map(shape, self.state), jax.tree.map(shape, self.kv),
-                jax.tree.map(shape, self.pen), arrays, t)
+        t = jax.tree.map(lambda x: self._abstract(x, rep), t)
+        return (jax.tree.map(self._abstract, self.state), jax.tree.map(self._abstract, self.kv),
+                jax.tree.map(self._abstract, self.pen), arrays, t)
 
     def compile_all(self, buckets: list[Bucket], progress: Callable[[int, int, Bucket], None] | None = None) -> float:
         """AOT-compile one executable per bucket; returns the seconds it took."""
@@ -134,8 +183,10 @@ class ModelRunner:
                 self.executables[b] = self._forward.lower(*args, bucket=b).compile()
             if b.sample_rows not in self.samplers:
                 _, _, pen, _, t = self._abstract_args(b)
-                logits = jax.ShapeDtypeStruct((b.sample_rows, self.cfg.vocab_size), jnp.float32)
-                rows = jax.ShapeDtypeStruct((b.sample_rows,), jnp.int32)
+                one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
+                pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
+                logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
+                rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
                 self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t).compile()
             if progress:
                 progress(i + 1, len(buckets), b)
@@ -144,13 +195,41 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch, t: S.SamplingTensors) -> np.ndarray:
         """Run one step; returns the packed sampler output (host numpy, i32[S, 2 + 2K])."""
-        exe = self.executables.get(batch.bucket)
-        if exe is None:
+        return self.fetch(self.dispatch(batch, t))
+
+    def dispatch(self, batch: StepBatch, t: S.SamplingTensors) -> jax.Array:
+        """Enqueue one step on the device and return at once (JAX dispatch is asynchronous),
+        so several data-parallel replicas' steps run concurrently; ``fetch`` waits."""
+        if batch.bucket not in self.executables:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
         b = batch.bucket
         sample_rows = np.zeros(b.sample_rows, np.int32)
         sample_rows[:b.num_seqs] = batch.rows
-        arrays, t, sample_rows = jax.device_put((as_device_args(batch), t, sample_rows))
-        logits, self.kv, self.pen = exe(self.state, self.kv, self.pen, arrays, t)
-        packed = self.samplers[batch.bucket.sample_rows](logits, self.pen, sample_rows, t)
+        host = {"arrays": as_device_args(batch), "t": t, "sample_rows": sample_rows}
+        if self.publisher is not None:
+            self.publisher.publish(b, host)
+        return self.run_host_step(b, host)
+
+    def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True) -> jax.Array:
+        """The step from its host arrays (followers replay it under jax.distributed, with
+        ``sample=False``: they return the logits, only to wait on them)."""
+        if self.mesh is None:
+            dev = jax.device_put(host)
+        else:
+            rep = shd.replicated(self.mesh)
+            dev = jax.tree.map(lambda x: shd.put(x, rep), host)
+        logits, self.kv, self.pen = self.executables[b](self.state, self.kv, self.pen, dev["arrays"], dev["t"])
+        if not sample:
+            return logits
+        args = (logits, self.pen, dev["sample_rows"], dev["t"])
+        if self.mesh is not None:
+            args = jax.tree.map(self._on_sample_device, args)
+        return self.samplers[b.sample_rows](*args)
+
+    def _on_sample_device(self, x: jax.Array) -> jax.Array:
+        """This device's copy of a replicated array (no transfer)."""
+        return next(s.data for s in x.addressable_shards if s.device == self.sample_device)
+
+    @staticmethod
+    def fetch(packed: jax.Array) -> np.ndarray:
         return np.asarray(packed)

@@ -52,34 +52,50 @@ def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     return flat
 
 
-def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any) -> tuple[ModelConfig, Any]:
+def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None
+                ) -> LlamaForCausalLM:
+    """Our-path host arrays -> the module, placed on ``mesh`` (each device receives only its
+    shards; KV heads repeated where the model axis needs it) or on the default device."""
+    from jaxinfer import sharding
+
+    if mesh is None:
+        return params_from_flat(cfg, flat, dtype)
+    tp = sharding.tp_size(mesh)
+    sharding.check_tensor_parallel(cfg, tp)
+    return params_from_flat(sharding.sharded_config(cfg, tp), sharding.replicate_kv_heads(cfg, flat, tp),
+                            dtype, sharding.placer(mesh))
+
+
+def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any, mesh: Any = None
+           ) -> tuple[ModelConfig, Any]:
     cfg = ModelConfig.from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them
-    return cfg, params_from_flat(cfg, hf_tensors_to_flat(cfg, tensors), dtype)
+    return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh)
 
 
-def load_hf_dir(path: str, dtype: Any) -> LoadedModel:
+def load_hf_dir(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.safetensors import load_safetensors, read_json
     from jaxinfer.loading.tokenizer import Tokenizer
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
     ModelConfig.from_hf(hf_config)   # validate before reading weights
-    cfg, model = _build(hf_config, load_safetensors(path), dtype)
+    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)
 
 
-def load_gguf_file(path: str, dtype: Any) -> LoadedModel:
+def load_gguf_file(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.gguf import load_gguf
 
     ck = load_gguf(path, dtype=np.float32)
-    cfg, model = _build(ck.config, ck.tensors, dtype)
+    cfg, model = _build(ck.config, ck.tensors, dtype, mesh)
     return LoadedModel(cfg, model, ck.tokenizer, dict(ck.generation_config), path, dict(ck.config))
 
 
-def load_model(model: str | None = None, dtype: Any = "float32") -> LoadedModel:
-    """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir."""
+def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
+    """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
+    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""
     from jaxinfer.loading.default import default_model_path
     from jaxinfer.loading import checkpoint
 
@@ -91,14 +107,14 @@ def load_model(model: str | None = None, dtype: Any = "float32") -> LoadedModel:
                                 "a .gguf file or a directory written by `jaxinfer convert`)")
     if os.path.isdir(path):
         if checkpoint.is_converted(path):
-            loaded = checkpoint.restore(path, dtype)
+            loaded = checkpoint.restore(path, dtype, mesh)
         elif os.path.exists(os.path.join(path, "config.json")):
-            loaded = load_hf_dir(path, dtype)
+            loaded = load_hf_dir(path, dtype, mesh)
         else:
             raise ValueError(f"model: {path} is a directory without config.json "
                              "(not an HF checkpoint nor a `jaxinfer convert` output)")
     elif path.endswith(".gguf"):
-        loaded = load_gguf_file(path, dtype)
+        loaded = load_gguf_file(path, dtype, mesh)
     else:
         raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
     loaded.load_seconds = time.perf_counter() - t0

@@ -42,13 +42,18 @@ def save(loaded: Any, out_dir: str) -> str:
     return out_dir
 
 
-def restore(path: str, dtype: Any) -> Any:
+def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
+    """Read a converted checkpoint. With ``mesh``, orbax reads each weight straight into its
+    tensor-parallel shards (KV-head weights that must be repeated come back replicated,
+    then are repeated and re-placed)."""
     import orbax.checkpoint as ocp
     from jaxinfer.config import ModelConfig
     from jaxinfer.loading import LoadedModel
     from jaxinfer.loading.safetensors import read_json
     from jaxinfer.loading.tokenizer import Tokenizer
-    from jaxinfer.models.llama import params_from_flat, weight_specs
+    from jaxinfer import sharding
+    from jaxinfer.loading import build_model
+    from jaxinfer.models.llama import weight_specs
 
     path = os.path.abspath(path)
     meta = read_json(os.path.join(path, MARKER), "converted checkpoint marker")
@@ -58,10 +63,23 @@ def restore(path: str, dtype: Any) -> Any:
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
     cfg = ModelConfig.from_hf(hf_config)
     saved_dtype = np.dtype(meta["dtype"]) if meta.get("dtype") != "bfloat16" else jax.numpy.bfloat16
-    abstract = {p: jax.ShapeDtypeStruct(s.shape, saved_dtype) for p, s in weight_specs(cfg).items()}
+    specs = weight_specs(cfg)
+    if mesh is None:
+        abstract = {p: jax.ShapeDtypeStruct(s.shape, saved_dtype) for p, s in specs.items()}
+    else:
+        tp = sharding.tp_size(mesh)
+        sharding.check_tensor_parallel(cfg, tp)
+        split_kv = sharding.kv_head_replication(cfg.num_heads, cfg.num_kv_heads, tp) == 1
+
+        def where(s):
+            keep = split_kv or "kv_heads" not in s.axes
+            spec = sharding.partition_spec(s.axes) if keep else sharding.P()
+            return jax.sharding.NamedSharding(mesh, spec)
+
+        abstract = {p: jax.ShapeDtypeStruct(s.shape, saved_dtype, sharding=where(s)) for p, s in specs.items()}
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(path, "params"), abstract)
-    model = params_from_flat(cfg, params, dtype)
+    model = build_model(cfg, params, dtype, mesh)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)

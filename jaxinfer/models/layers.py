@@ -69,6 +69,27 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)   # gelu_pytorch_tanh
 
 
+def all_reduce(x: jax.Array, axis: str | None) -> jax.Array:
+    """Sum the row-parallel partial products over the tensor-parallel axis (identity without)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def embed_lookup(emb: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Array:
+    """emb [V or V_local, D], tokens i32[T] -> [T, D].
+
+    Vocabulary-parallel (``axis`` set, inside shard_map): each device holds rows
+    [i * V_local, (i + 1) * V_local), contributes its rows and zeros elsewhere, and one
+    all-reduce assembles them. Exactly one device adds a non-zero, so the sum is exact.
+    """
+    if axis is None:
+        return emb[tokens]
+    v_local = emb.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * v_local
+    mine = (local >= 0) & (local < v_local)
+    rows = emb[jnp.clip(local, 0, v_local - 1)]
+    return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), axis)
+
+
 # Batch invariance. XLA:CPU picks its dot kernel by the number of rows M: one kernel for
 # M == 1, another for 2 <= M <= 32, another for M >= 33 (measured for every SmolLM2
 # weight shape with K = 576; K = 1536 has only the first split). Each kernel sums over K

@@ -115,9 +115,13 @@ class DecoderLayer(nnx.Module):
         self.index = index
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul) -> tuple[jax.Array, Any]:
+                 attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul,
+                 tp_axis: str | None = None) -> tuple[jax.Array, Any]:
+        """x [T, D]. Under tensor parallelism (``tp_axis``: the mesh axis, inside shard_map)
+        the weights are this device's slices: head counts come from the weights' shapes,
+        and the row-parallel wo / w_down partial sums are all-reduced (two per layer)."""
         cfg = self.cfg
-        T = x.shape[0]
+        T, hd = x.shape[0], cfg.head_dim
         with jax.named_scope("attention"):
             h = L.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)          # [T, D]
             q = mm(h, self.wq[...])                                              # [T, Hq*hd]
@@ -125,15 +129,15 @@ class DecoderLayer(nnx.Module):
             v = mm(h, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            q = q.reshape(T, -1, hd)                                             # [T, Hq_local, hd]
+            k = k.reshape(T, -1, hd)                                             # [T, Hkv_local, hd]
+            v = v.reshape(T, -1, hd)
             if cfg.qk_norm:
                 q = L.rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
                 k = L.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
             o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
-            o = mm(o.reshape(T, cfg.num_heads * cfg.head_dim), self.wo[...])     # [T, D]
+            o = L.all_reduce(mm(o.reshape(T, -1), self.wo[...]), tp_axis)        # [T, D]
             if cfg.o_bias:
                 o = o + self.bo[...]
             x = x + o
@@ -142,7 +146,7 @@ class DecoderLayer(nnx.Module):
             g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])                   # [T, F]
             if cfg.mlp_bias:
                 g, u = g + self.b_gate[...], u + self.b_up[...]
-            y = mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...])      # [T, D]
+            y = L.all_reduce(mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...]), tp_axis)  # [T, D]
             if cfg.mlp_bias:
                 y = y + self.b_down[...]
             x = x + y
@@ -160,31 +164,37 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
                  attn: AttentionFn, logits_index: jax.Array | None = None,
-                 mm: MatmulFn = L.matmul) -> tuple[jax.Array, list[Any]]:
+                 mm: MatmulFn = L.matmul, tp_axis: str | None = None) -> tuple[jax.Array, list[Any]]:
         """tokens, positions i32[T]; logits_index i32[S] picks the rows whose logits are
         needed (prompt positions that are not sampled cost no LM-head matmul). ``mm`` is
         every weight matmul (``layers.tiled_matmul`` for batch invariance; a quantized
-        matmul plugs in here too).
+        matmul plugs in here too). ``tp_axis``: see DecoderLayer; embedding and LM head are
+        then vocabulary-parallel (one all-reduce in, one all-gather of the logits out).
         Returns (logits f32[S or T, V], updated per-layer caches)."""
-        x = self.embed[...][tokens]                                           # [T, D]
+        x = L.embed_lookup(self.embed[...], tokens, tp_axis)                 # [T, D]
         # inv_freq is a numpy constant computed at trace time (not a parameter)
         cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
         new_cache = []
         for layer, c in zip(self.layers, kv_cache):
-            x, c = layer(x, cos, sin, attn, c, mm)
+            x, c = layer(x, cos, sin, attn, c, mm, tp_axis)
             new_cache.append(c)
         if logits_index is not None:
             x = x[logits_index]                                               # [S, D]
         x = L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
-        logits = mm(x, self.lm_head[...]).astype(jnp.float32)                 # [S, V]
+        logits = mm(x, self.lm_head[...]).astype(jnp.float32)                 # [S, V_local]
+        if tp_axis is not None:
+            logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)  # [S, V]
         return logits, new_cache
 
 
-def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32
+def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
+                     place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
                      ) -> LlamaForCausalLM:
     """Build the module with every weight taken from ``flat`` (our paths -> arrays).
 
     The module is created abstractly (no random init is materialized), then filled.
+    ``place(logical_axes, host_array)`` puts each weight where it lives (sharding.placer:
+    each device gets only its slice); by default the default device.
     """
     specs = weight_specs(cfg)
     missing = [p for p in specs if p not in flat]
@@ -197,7 +207,13 @@ def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.fl
         if tuple(arr.shape) != spec.shape:
             raise ValueError(f"weight {spec.hf_name!r} has shape {tuple(arr.shape)}, "
                              f"expected {spec.shape} (ours {path})")
-        _get_param(model, path).set_value(jnp.asarray(arr, dtype=dtype))
+        if place is None:
+            value = jnp.asarray(arr, dtype=dtype)
+        elif isinstance(arr, jax.Array):      # already on the mesh (orbax restored it sharded)
+            value = place(spec.axes, arr.astype(dtype))
+        else:
+            value = place(spec.axes, np.asarray(arr).astype(np.dtype(dtype), copy=False))
+        _get_param(model, path).set_value(value)
     return model
 
 

@@ -152,6 +152,7 @@ class ModelRunner:
         self.executables: dict[Bucket, Any] = {}
         self.samplers: dict[int, Any] = {}
         self.compile_seconds = 0.0
+        self.last_logits: jax.Array | None = None
 
     def _abstract(self, x, sharding=None):
         """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
@@ -219,6 +220,7 @@ class ModelRunner:
             rep = shd.replicated(self.mesh)
             dev = jax.tree.map(lambda x: shd.put(x, rep), host)
         logits, self.kv, self.pen = self.executables[b](self.state, self.kv, self.pen, dev["arrays"], dev["t"])
+        self.last_logits = logits      # f32[S', V] on device, for tests and debugging (no copy)
         if not sample:
             return logits
         args = (logits, self.pen, dev["sample_rows"], dev["t"])

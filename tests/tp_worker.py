@@ -1,0 +1,261 @@
+"""Tensor / data parallel runs for tests/test_parallel.py, in a process of their own.
+
+The device count of JAX's CPU backend is fixed when JAX starts, so the multi-device runs
+cannot share the pytest process. Modes (each prints one JSON object on its last line):
+
+* ``grid``: tiny random models x (dp, tp) in the acceptance grid, on 8 virtual CPU devices:
+  greedy tokens and, for every sampled token, the logits row it was sampled from.
+  With them, the collectives in every compiled step of the tp=2..8 engines (from the HLO).
+* ``default``: the embedded SmolLM2 with tp=3 (and the error for tp=2/4/8).
+* ``mp``: one process of a 2-process tp=2 engine over jax.distributed (gloo on CPU);
+  ``single``: the same workload in one process with one device (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+TINY = {
+    # heads divide tp 1/2/4; tp 8 repeats each of the 4 KV heads twice
+    "llama_8q4kv": dict(architecture="LlamaForCausalLM", num_heads=8, num_kv_heads=4,
+                        tie_word_embeddings=False),
+    # Qwen3-like (q/k norm) with Qwen2's qkv bias, GQA 4: tp 4 and 8 repeat KV heads
+    "qwen_8q2kv": dict(architecture="Qwen3ForCausalLM", num_heads=8, num_kv_heads=2,
+                       qk_norm=True, qkv_bias=True, tie_word_embeddings=True),
+}
+GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4)]   # (dp, tp)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 19, list(range(100, 160, 3)),
+           [42], list(range(300, 270, -1))]
+
+
+class ByteTokenizer:
+    """Enough of the Tokenizer interface for token-id prompts."""
+
+    eos_token_ids = ()
+
+    def encode(self, s):
+        return list(s.encode())
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i % 90) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(32 + i % 90) for i in ids]
+
+
+def tiny_loaded(name: str):
+    from flax import nnx
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.loading import LoadedModel
+    from jaxinfer.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      head_dim=16, max_position_embeddings=256, **TINY[name])
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    # Random biases and norms (init gives zeros / ones) so that their sharding is exercised,
+    # and a spread-out head so greedy decoding is not a toss-up between near-ties.
+    import jax
+    key = jax.random.key(1)
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, nnx.Param) and path[-1] in ("bq", "bk", "bv", "q_norm", "k_norm"):
+            key, sub = jax.random.split(key)
+            p.set_value(p[...] + 0.3 * jax.random.normal(sub, p[...].shape))
+    model.lm_head.set_value(model.lm_head[...] * 30.0)
+    return LoadedModel(cfg, model, ByteTokenizer(), {}, name)
+
+
+def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool = False, **kw):
+    """Greedy outputs, the logits row of every sampled token (per request, in order) and,
+    with ``hlo``, the collectives of each compiled step."""
+    import numpy as np
+
+    from jaxinfer.config import SamplingParams
+    from jaxinfer.engine.engine import Engine
+
+    eng = Engine(loaded=loaded, progress=False, tensor_parallel_size=tp, data_parallel_size=dp, **kw)
+    rows: dict[str, list] = {}
+    post = eng._postprocess
+
+    def capture(rep, sched, batch, packed):
+        logits = np.asarray(rep.runner.last_logits)
+        for slot, e in batch.entries:
+            if e.samples:
+                rows.setdefault(e.seq.request_id, []).append(logits[slot].tolist())
+        return post(rep, sched, batch, packed)
+
+    eng._postprocess = capture
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request(p, sp, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    outs = eng.run_until_done(ids)
+    leaked = eng.stats()["num_free_pages"] != eng.stats()["num_total_pages"]
+    res = {"tokens": [o.outputs[0].token_ids for o in outs], "logits": [rows[i] for i in ids],
+           "replicas": len(eng.replicas), "leaked_pages": leaked,
+           "kv_heads_per_device": eng.kv_spec.num_kv_heads // tp}
+    if hlo:
+        res["hlo"] = {"num_layers": loaded.config.num_layers, "hidden_size": loaded.config.hidden_size,
+                      "buckets": {repr(b): collectives(exe.as_text(), b.num_tokens)
+                                  for b, exe in eng.runner.executables.items()}}
+    return res
+
+
+def collectives(text: str, num_tokens: int) -> dict:
+    c = {op: _count_ops(text, op) for op in
+         ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+    c["all_reduce_bytes"] = _all_reduce_bytes(text)
+    c["num_tokens"] = num_tokens
+    return c
+
+
+ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
+                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
+                 page_buckets=(8,))
+
+
+def mode_grid() -> dict:
+    import numpy as np
+
+    out = {}
+    for name in TINY:
+        loaded = tiny_loaded(name)
+        runs = {f"{dp}x{tp}": run_engine(loaded, dp, tp, PROMPTS, hlo=dp == 1 and tp > 1, **ENGINE_KW)
+                for dp, tp in GRID}
+        ref = runs["1x1"]
+        res = {}
+        for key, r in runs.items():
+            err = 0.0
+            for a, b in zip(r["logits"], ref["logits"]):
+                a, b = np.asarray(a), np.asarray(b)
+                err = max(err, float(np.max(np.abs(a - b)) / np.max(np.abs(b))))
+            res[key] = {"tokens_equal": r["tokens"] == ref["tokens"], "max_rel_logit_err": err,
+                        "replicas": r["replicas"], "leaked_pages": r["leaked_pages"],
+                        "kv_heads_per_device": r["kv_heads_per_device"]}
+        out[name] = res
+        if name == "llama_8q4kv":
+            out["hlo"] = {k.split("x")[1]: r["hlo"] for k, r in runs.items() if "hlo" in r}
+    return out
+
+
+def _count_ops(hlo: str, op: str) -> int:
+    """Instructions of kind ``op`` in HLO text (async start/done pairs count once)."""
+    import re
+
+    return len(re.findall(rf"= [^=]*? {re.escape(op)}(?:-start)?\(", hlo))
+
+
+def _all_reduce_bytes(hlo: str) -> list[int]:
+    """Bytes of each all-reduce's result, in program order."""
+    import re
+
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "f16": 2}
+    out = []
+    for m in re.finditer(r"= (f32|bf16|s32|f16)\[([\d,]*)\][^=]*? all-reduce(?:-start)?\(", hlo):
+        n = 1
+        for d in filter(None, m.group(2).split(",")):
+            n *= int(d)
+        out.append(n * sizes[m.group(1)])
+    return out
+
+
+def mode_default(tps: list[int]) -> dict:
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(None, "float32")
+    tok = loaded.tokenizer
+    prompts = [tok.encode("The capital of France is"),
+               tok.apply_chat_template([{"role": "user", "content": "Name three planets."}],
+                                       add_generation_prompt=True),
+               tok.encode("def fibonacci(n):")]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
+              decode_buckets=(4,), mixed_decode_buckets=(0,), prefill_buckets=((1, 64),),
+              page_buckets=(16,))
+    res = {}
+    for tp in tps:
+        try:
+            r = run_engine(loaded, 1, tp, prompts, max_tokens=16, **kw)
+            res[str(tp)] = {"tokens": r["tokens"], "logits": r["logits"],
+                            "kv_heads_per_device": r["kv_heads_per_device"]}
+        except ValueError as e:
+            res[str(tp)] = {"error": str(e)}
+    ref = res.get("1")
+    if ref:
+        import numpy as np
+        for k, r in res.items():
+            if "logits" in r:
+                r["max_rel_logit_err"] = max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+                    for a, b in zip(r["logits"], ref["logits"]))
+                r["tokens_equal"] = r["tokens"] == ref["tokens"]
+                del r["logits"]
+    return res
+
+
+def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    from jaxinfer.engine.engine import Engine
+
+    from jax._src import distributed
+
+    loaded = tiny_loaded("llama_8q4kv")
+    eng = Engine(loaded=loaded, progress=False, tensor_parallel_size=num_processes, **ENGINE_KW)
+    if eng.is_follower:
+        res = {"process": process_id, "followed_steps": eng.follow()}
+    else:
+        from jaxinfer.config import SamplingParams
+
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = eng.generate(PROMPTS, sp)
+        eng.shutdown()
+        res = {"process": process_id, "tokens": [o.outputs[0].token_ids for o in outs],
+               "steps": eng.num_steps, "devices": [str(d) for d in eng.runner.mesh.devices.flat]}
+    # process 0 hosts the coordinator: keep it up until the follower has read "stop"
+    distributed.global_state.client.wait_at_barrier("tp_worker_done", 120_000)
+    return res
+
+
+def mode_single() -> dict:
+    from jaxinfer.config import SamplingParams
+    from jaxinfer.engine.engine import Engine
+
+    eng = Engine(loaded=tiny_loaded("llama_8q4kv"), progress=False, **ENGINE_KW)
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["grid", "default", "mp", "single"])
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--tp", default="1,3,2,4,8")
+    ap.add_argument("--coordinator", default="127.0.0.1:0")
+    ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--compilation-cache", default=None)
+    a = ap.parse_args()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1 if a.mode in ("mp", "single") else a.devices)
+    if a.compilation_cache:
+        from jaxinfer.engine.engine import enable_compilation_cache
+        enable_compilation_cache(a.compilation_cache)
+    if a.mode == "grid":
+        res = mode_grid()
+    elif a.mode == "default":
+        res = mode_default([int(x) for x in a.tp.split(",")])
+    elif a.mode == "mp":
+        res = mode_mp(a.coordinator, a.num_processes, a.process_id)
+    else:
+        res = mode_single()
+    sys.stdout.write("\n" + json.dumps(res) + "\n")
+    sys.stdout.flush()
+    os._exit(0)   # skip interpreter teardown (jax.distributed shutdown races the other process)
+
+
+if __name__ == "__main__":
+    main()

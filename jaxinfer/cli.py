@@ -34,6 +34,48 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=None,
+                   help="devices one model is split over (Megatron-style, within a replica); "
+                        "'auto': the largest size the model allows on the visible devices "
+                        "(default: 1, or auto with --coordinator)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="independent replicas (each its own scheduler and KV cache)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: jax.distributed coordinator (process 0's address)")
+    g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="multi-host: this process's index (0 schedules and serves HTTP)")
+
+
+def _tp_size(s: str) -> int:
+    if s == "auto":
+        return 0
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {s!r}")
+    return v
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process run (one process per host) when --coordinator is given."""
+    if not getattr(args, "coordinator", None):
+        if getattr(args, "num_processes", None) or getattr(args, "process_id", None) is not None:
+            raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT")
+        return
+    if args.num_processes is None or args.process_id is None:
+        raise ValueError("--coordinator needs --num-processes and --process-id")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id {args.process_id} must be in [0, {args.num_processes})")
+    import jax
+
+    # CPU hosts need a collectives implementation across processes; GPU/TPU bring their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
 
 
 def engine_config(args: argparse.Namespace, default_max_seqs: int):
@@ -44,7 +86,10 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int):
         max_num_seqs=args.max_num_seqs or default_max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
-        compilation_cache_dir=args.compilation_cache or None)
+        compilation_cache_dir=args.compilation_cache or None,
+        tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
+                              else 0 if args.coordinator else 1),
+        data_parallel_size=args.data_parallel_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,9 +125,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("prompt: empty (pass it as an argument or on stdin)")
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
+    init_distributed(args)
     t0 = time.perf_counter()
     print("loading model and compiling buckets ...", file=sys.stderr)
     engine = Engine(args.model, config=engine_config(args, default_max_seqs=1), progress=True)
+    if engine.is_follower:
+        engine.follow()
+        return 0
     print(f"ready in {time.perf_counter() - t0:.1f}s (load {engine.loaded.load_seconds:.1f}s, "
           f"compile {engine.compile_seconds:.1f}s)", file=sys.stderr)
     rid = engine.add_request(prompt, params)
@@ -98,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if out.finished and out.request_id == rid:
                 final = out
     dt = time.perf_counter() - t1
+    engine.shutdown()
     n = len(final.outputs[0].token_ids)
     sys.stdout.write("\n")
     print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
@@ -119,7 +169,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from serving.server import serve_main
 
+    init_distributed(args)
+    import jax
+
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        # Only process 0 serves HTTP; the others replay its steps until it stops.
+        from jaxinfer.engine.engine import Engine
+
+        engine = Engine(args.model, config=engine_config(args, default_max_seqs=_serve_max_seqs()),
+                        progress=False)
+        print(f"jaxinfer: process {jax.process_index()} following process 0", file=sys.stderr, flush=True)
+        engine.follow()
+        return 0
     return serve_main(args)
+
+
+def _serve_max_seqs() -> int:
+    from serving.server import DEFAULT_SERVE_MAX_SEQS
+
+    return DEFAULT_SERVE_MAX_SEQS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -318,6 +318,8 @@ class EngineConfig:
     # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
     # tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.
     batch_invariant: bool = True
+    # Devices one model is split over (0 = auto: the largest size the model's head counts
+    # allow on the visible devices / data_parallel_size) and independent replicas.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     decode_buckets: tuple[int, ...] | None = None
@@ -332,10 +334,12 @@ class EngineConfig:
                  f"must be float32 or bfloat16, got {self.dtype!r}")
         _require(self.page_size in (8, 16, 32, 64, 128), "page_size",
                  f"must be one of 8, 16, 32, 64, 128, got {self.page_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
+        v = self.tensor_parallel_size
+        _require(isinstance(v, int) and v >= 0, "tensor_parallel_size",
+                 f"must be a positive integer (or 0 for auto), got {v!r}")
         for name in ("kv_cache_memory", "num_pages", "max_model_len", "max_waiting"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, int) and v >= 1), name,

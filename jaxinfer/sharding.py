@@ -99,6 +99,11 @@ def valid_tp_sizes(cfg: Any, limit: int = 64) -> list[int]:
     return out
 
 
+def auto_tp_size(cfg: Any, num_devices: int) -> int:
+    """The largest tensor-parallel size the model allows on ``num_devices`` devices."""
+    return max(t for t in valid_tp_sizes(cfg, max(num_devices, 1)))
+
+
 def sharded_config(cfg: Any, tp: int) -> Any:
     """The ModelConfig the sharded engine runs: KV heads repeated where tp needs it. Its
     outputs equal the original model's (query head h still reads a copy of KV head

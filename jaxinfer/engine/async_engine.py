@@ -124,3 +124,6 @@ class AsyncEngine:
             self._stopping = True
             self._wake.notify()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:          # releases follower processes of a multi-process engine
+            stop()

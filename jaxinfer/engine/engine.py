@@ -88,6 +88,8 @@ class Engine:
         self.config = config
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
+        if config.tensor_parallel_size == 0:
+            config = self.config = _resolve_auto_tp(config, loaded.config if loaded else None, model)
         meshes = _replica_meshes(config)
         if loaded is None:
             loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
@@ -455,10 +457,30 @@ def _replica_meshes(config: EngineConfig) -> list[Any]:
         return []
     from jaxinfer import sharding
 
-    if dp > 1 and _num_processes() > 1:
-        raise ValueError("data_parallel_size > 1 with several processes is not supported: run one "
-                         "engine per host instead, or use the hosts for tensor parallelism")
+    if _num_processes() > 1:
+        import jax
+
+        if dp > 1:
+            raise ValueError("data_parallel_size > 1 with several processes is not supported: run "
+                             "one engine per host instead, or use the hosts for tensor parallelism")
+        if tp != jax.device_count():
+            raise ValueError(f"tensor_parallel_size={tp}: with {_num_processes()} processes the model "
+                             f"must span all {jax.device_count()} devices (every process runs the step)")
     return sharding.replica_meshes(sharding.make_mesh(tp, dp))
+
+
+def _resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) -> EngineConfig:
+    """tensor_parallel_size=0: the largest size the model allows on the visible devices
+    (all processes' under jax.distributed) divided among the data-parallel replicas."""
+    import jax
+
+    from jaxinfer import sharding
+    from jaxinfer.loading import read_config
+
+    cfg = model_config or read_config(model)
+    tp = sharding.auto_tp_size(cfg, jax.device_count() // config.data_parallel_size)
+    log.info("tensor_parallel_size auto: %d (%d devices)", tp, jax.device_count())
+    return dataclasses.replace(config, tensor_parallel_size=tp)
 
 
 def _place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:

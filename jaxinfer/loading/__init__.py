@@ -93,18 +93,37 @@ def load_gguf_file(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     return LoadedModel(cfg, model, ck.tokenizer, dict(ck.generation_config), path, dict(ck.config))
 
 
-def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
-    """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
-    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""
+def model_path(model: str | None) -> str:
     from jaxinfer.loading.default import default_model_path
-    from jaxinfer.loading import checkpoint
 
-    t0 = time.perf_counter()
-    dtype = resolve_dtype(dtype)
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model: {path} does not exist (expected an HF checkpoint directory, "
                                 "a .gguf file or a directory written by `jaxinfer convert`)")
+    return path
+
+
+def read_config(model: str | None = None) -> ModelConfig:
+    """The model's config without reading its weights (to size a mesh before loading)."""
+    from jaxinfer.loading.safetensors import read_json
+
+    path = model_path(model)
+    if os.path.isdir(path):
+        return ModelConfig.from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
+    if path.endswith(".gguf"):
+        from jaxinfer.loading.gguf import read_gguf_config
+        return ModelConfig.from_hf(read_gguf_config(path))
+    raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
+
+
+def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
+    """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
+    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""
+    from jaxinfer.loading import checkpoint
+
+    t0 = time.perf_counter()
+    dtype = resolve_dtype(dtype)
+    path = model_path(model)
     if os.path.isdir(path):
         if checkpoint.is_converted(path):
             loaded = checkpoint.restore(path, dtype, mesh)

@@ -113,6 +113,21 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
                           generation_config=_generation_config(meta, config, tokenizer))
 
 
+def read_gguf_config(path: str) -> dict[str, Any]:
+    """The HF-style config of a GGUF file from its metadata alone (no tensor is read)."""
+    reader = open_gguf(path)
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    meta = _metadata(reader)
+    config = _config(path, arch, meta, {t.name: t for t in reader.tensors})
+    if not config.get("vocab_size"):
+        config["vocab_size"] = Tokenizer.from_gguf_metadata(meta).vocab_size
+    return config
+
+
 def open_gguf(path: str) -> Any:
     """A ``gguf.GGUFReader`` over ``path`` with errors that name the file."""
     if not os.path.isfile(path):

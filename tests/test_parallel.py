@@ -73,6 +73,37 @@ def test_step_hlo_has_two_all_reduces_per_layer(grid):
             assert set(c["all_reduce_bytes"]) == {c["num_tokens"] * D * 4}, (tp, bucket, c)
 
 
+def test_weights_load_straight_into_shards(tmp_path):
+    """safetensors and orbax (restored sharded) with tp 2 and 4: every weight has the
+    table's PartitionSpec, each device holds exactly its slice, values equal the plain load
+    (KV heads repeated for tp=4, where 4 devices share 2 KV heads)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from jaxinfer.loading.default import default_model_path
+    from jaxinfer.loading.gguf import load_gguf
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(hf / "model.safetensors"))
+    d = cfg.to_dict()
+    d["architectures"] = ["LlamaForCausalLM"]
+    (hf / "config.json").write_text(json.dumps(d))
+    load_gguf(default_model_path()).tokenizer.hf.save_pretrained(str(hf))
+    res = run_worker("load", "--hf-dir", str(hf), "--tmp", str(tmp_path))
+    assert set(res) == {f"{s}_tp{t}" for s in ("safetensors", "orbax") for t in (2, 4)}
+    for key, r in res.items():
+        assert r["bad"] == [], (key, r)
+        assert r["devices"] == int(key[-1]), (key, r)
+    assert res["orbax_tp4"]["kv_heads"] == 4 and res["orbax_tp2"]["kv_heads"] == 2
+
+
 @pytest.mark.slow
 def test_default_model_tensor_parallel():
     """SmolLM2 (9 query / 3 KV heads) with TP=3 matches TP=1; TP=2/4/8 fail with an error

@@ -6,6 +6,7 @@ cannot share the pytest process. Modes (each prints one JSON object on its last 
 * ``grid``: tiny random models x (dp, tp) in the acceptance grid, on 8 virtual CPU devices:
   greedy tokens and, for every sampled token, the logits row it was sampled from.
   With them, the collectives in every compiled step of the tp=2..8 engines (from the HLO).
+* ``load``: a tiny HF checkpoint (and its orbax conversion) loaded straight into shards.
 * ``default``: the embedded SmolLM2 with tp=3 (and the error for tp=2/4/8).
 * ``mp``: one process of a 2-process tp=2 engine over jax.distributed (gloo on CPU);
   ``single``: the same workload in one process with one device (the reference).
@@ -194,6 +195,46 @@ def mode_default(tps: list[int]) -> dict:
     return res
 
 
+def mode_load(hf_dir: str, tmp: str) -> dict:
+    """Weights land in their shards: from safetensors and from an orbax checkpoint restored
+    sharded; every device holds only its slice, values equal the unsharded load."""
+    import jax
+    import numpy as np
+
+    from jaxinfer import sharding
+    from jaxinfer.loading import checkpoint, load_model
+    from jaxinfer.models.llama import flat_params, weight_specs
+
+    plain = load_model(hf_dir)
+    ref = {k: np.asarray(v) for k, v in flat_params(plain.model).items()}
+    saved = checkpoint.save(plain, os.path.join(tmp, "orbax"))
+    res = {}
+    for source, path in (("safetensors", hf_dir), ("orbax", saved)):
+        for tp in (2, 4):
+            mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
+            loaded = load_model(path, mesh=mesh)
+            run_cfg = loaded.model.cfg
+            bad = []
+            for name, arr in flat_params(loaded.model).items():
+                spec = weight_specs(run_cfg)[name]
+                want = sharding.partition_spec(spec.axes)
+                local = {tuple(sh.data.shape) for sh in arr.addressable_shards}
+                split = [i for i, a in enumerate(spec.axes) if a and sharding.LOGICAL_AXES[a]]
+                shard_shape = tuple(d // tp if i in split else d for i, d in enumerate(arr.shape))
+                value = np.asarray(arr)
+                if name.rsplit(".", 1)[-1] in ("wk", "wv") and run_cfg.num_kv_heads != plain.config.num_kv_heads:
+                    r = run_cfg.num_kv_heads // plain.config.num_kv_heads
+                    hd = run_cfg.head_dim
+                    value = value.reshape(value.shape[0], -1, r, hd)[:, :, 0].reshape(value.shape[0], -1)
+                if (arr.sharding.spec != want or local != {shard_shape}
+                        or len(arr.addressable_shards) != tp or not np.array_equal(value, ref[name])):
+                    bad.append(name)
+            res[f"{source}_tp{tp}"] = {"bad": bad, "num_weights": len(ref),
+                                       "kv_heads": run_cfg.num_kv_heads,
+                                       "devices": len(next(iter(flat_params(loaded.model).values())).sharding.device_set)}
+    return res
+
+
 def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     import jax
 
@@ -231,7 +272,9 @@ def mode_single() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["grid", "default", "mp", "single"])
+    ap.add_argument("mode", choices=["grid", "default", "mp", "single", "load"])
+    ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--tmp", default=None)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--tp", default="1,3,2,4,8")
     ap.add_argument("--coordinator", default="127.0.0.1:0")
@@ -249,6 +292,8 @@ def main() -> None:
         res = mode_grid()
     elif a.mode == "default":
         res = mode_default([int(x) for x in a.tp.split(",")])
+    elif a.mode == "load":
+        res = mode_load(a.hf_dir, a.tmp)
     elif a.mode == "mp":
         res = mode_mp(a.coordinator, a.num_processes, a.process_id)
     else:

@@ -52,9 +52,10 @@ def load_safetensors(model_dir: str, wanted: set[str] | None = None) -> dict[str
         if not os.path.exists(path):
             raise FileNotFoundError(f"safetensors shard {path} listed in the index does not exist")
         try:
-            # framework="flax": numpy cannot represent bfloat16 checkpoints; np.asarray of
-            # the jax array gives an ml_dtypes bfloat16 numpy array.
-            with safe_open(path, framework="flax") as f:
+            # framework="numpy" (bfloat16 as ml_dtypes, safetensors >= 0.8): host arrays, so
+            # a tensor-parallel load sends each device only its shard (a "flax" read would
+            # first put every whole tensor on the default device).
+            with safe_open(path, framework="numpy") as f:
                 for name in f.keys():
                     if wanted is None or name in wanted:
                         out[name] = np.asarray(f.get_tensor(name))

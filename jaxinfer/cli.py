@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="weight-only quantization of every matmul weight at load time")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "
@@ -89,7 +91,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int):
         compilation_cache_dir=args.compilation_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
-        data_parallel_size=args.data_parallel_size)
+        data_parallel_size=args.data_parallel_size, quantization=args.quantization)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

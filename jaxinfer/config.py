@@ -322,6 +322,9 @@ class EngineConfig:
     # allow on the visible devices / data_parallel_size) and independent replicas.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Weight-only quantization of every matmul weight at load time: None | "int8" | "int4"
+    # (jaxinfer/quantization.py).
+    quantization: str | None = None
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[tuple[int, int], ...] | None = None   # (num_prefill, chunk)
@@ -337,6 +340,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
+        _require(self.quantization in (None, "int8", "int4"), "quantization",
+                 f"must be None, 'int8' or 'int4', got {self.quantization!r}")
         v = self.tensor_parallel_size
         _require(isinstance(v, int) and v >= 0, "tensor_parallel_size",
                  f"must be a positive integer (or 0 for auto), got {v!r}")

@@ -80,6 +80,12 @@ class QuantizedWeight:
         rows, n = self.q.shape
         return (rows * 2 if self.bits == 4 else rows, n)
 
+    def __getitem__(self, key: Any) -> "QuantizedWeight":
+        """``param[...]`` (how a model reads its weights) returns the weight itself."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("QuantizedWeight supports only [...] indexing")
+
     @property
     def nbytes(self) -> int:
         return self.q.size * self.q.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize

@@ -2,6 +2,12 @@
 
 All implementations share one signature (see attention/xla.py): q [T, H, D], the layer's
 K/V pages, kv_lens, q_lens, page_table, and the static bucket layout.
+
+* ``xla``: the pure-jnp ragged paged attention — the CPU path, and the reference every
+  kernel is tested against (bitwise batch-invariant on XLA:CPU).
+* ``pallas``: pallas_kernels/ragged_paged_attention.py — the Mosaic kernel on TPU, the
+  Triton kernel on GPU. Not available on CPU (its tests run it there in interpret mode).
+* ``auto``: ``pallas`` on TPU / GPU, ``xla`` elsewhere.
 """
 
 from __future__ import annotations
@@ -13,19 +19,45 @@ import jax
 
 log = logging.getLogger("jaxinfer")
 
-IMPLEMENTATIONS = ("auto", "xla")
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
-def select(name: str = "auto") -> tuple[str, Callable]:
-    """Returns (the implementation's name, the function)."""
+def select(name: str = "auto", backend: str | None = None) -> tuple[str, Callable]:
+    """Returns (the implementation's name, the function) for ``backend`` (default: JAX's)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {name!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
-    from jaxinfer.attention.xla import ragged_paged_attention
-
-    backend = jax.default_backend()
-    # Pallas kernels (TPU Mosaic / GPU) plug in here once they exist; until then every
-    # backend runs the pure-jnp path, which is also their reference.
-    chosen = "xla"
+    backend = backend or jax.default_backend()
+    if name == "auto":
+        name = "pallas" if backend in ("tpu", "gpu") else "xla"
+    if name == "xla":
+        from jaxinfer.attention.xla import ragged_paged_attention as fn
+    elif backend == "tpu":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu as fn
+    elif backend == "gpu":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu as fn
+    else:
+        raise ValueError(f"attention: 'pallas' needs a TPU or GPU backend, this one is {backend!r} "
+                         "(use 'xla' or 'auto')")
+    chosen = f"{name}-{backend}" if name == "pallas" else name
     log.info("attention: %s on backend %s", chosen, backend)
-    return chosen, ragged_paged_attention
+    return chosen, fn
+
+
+def select_matmul(batch_invariant: bool, backend: str | None = None) -> Callable:
+    """The model's ``mm`` hook: plain or batch-invariant XLA dots (which also take quantized
+    weights, layers.matmul); on TPU / GPU quantized weights go to the Pallas kernel."""
+    from jaxinfer.models import layers as L
+
+    base = L.tiled_matmul if batch_invariant else L.matmul
+    backend = backend or jax.default_backend()
+    if backend not in ("tpu", "gpu"):
+        return base
+    from pallas_kernels import quantized_matmul as Q
+
+    kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
+
+    def mm(x, w):
+        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) else base(x, w)
+
+    return mm

@@ -99,7 +99,14 @@ class Engine:
         self.model_name = model or os.path.basename(self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        models = _place_replicas(loaded, meshes)
+        if config.quantization and config.tensor_parallel_size > 1:
+            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet "
+                             "(the quantized weights' scales are not sharded)")
+        from jaxinfer.quantization import quantize_model
+
+        models = [quantize_model(m, config.quantization) for m in _place_replicas(loaded, meshes)]
+        # keep the quantized model, not the float one (the caller's LoadedModel is untouched)
+        self.loaded = dataclasses.replace(loaded, model=models[0])
         run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it
         dtype = self.loaded.model.dtype
         probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, run_cfg.num_kv_heads, mc.head_dim, dtype)

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxinfer import quantization
 from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
@@ -78,22 +79,21 @@ def _any_penalty(t: S.SamplingTensors) -> jax.Array:
 
 
 def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Bucket,
-               attention: Callable, invariant: bool, tp_axis: str | None):
+               attention: Callable, mm: Callable, tp_axis: str | None):
     """The model over the ragged batch -> (logits f32[S, V], kv). Per device under shard_map."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg.head_dim ** -0.5,
                               cfg.sliding_window)
-    mm = L.tiled_matmul if invariant else L.matmul
     return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
 
 
 def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
-               bucket: Bucket, attention: Callable, invariant: bool, mesh=None, state_specs=None):
+               bucket: Bucket, attention: Callable, mm: Callable, mesh=None, state_specs=None):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V]."""
     body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
-                             invariant=invariant, tp_axis=None if mesh is None else shd.MODEL)
+                             mm=mm, tp_axis=None if mesh is None else shd.MODEL)
     if mesh is not None:
         # check_vma off: the logits leave replicated by construction (all-gathered), which
         # the varying-axes checker cannot see through the attention's index arithmetic.
@@ -138,8 +138,14 @@ class ModelRunner:
             self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
             state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
         self.num_rows = num_rows
+        mm = dispatch.select_matmul(batch_invariant)
+        # XLA:CPU's quantized path needs the memory-optimized scheduler (quantized_matmul.py)
+        self.compiler_options = None
+        if quantization.is_quantized(model) and jax.default_backend() == "cpu":
+            from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS
+            self.compiler_options = dict(XLA_CPU_COMPILER_OPTIONS)
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl,
-                                                  invariant=batch_invariant, mesh=mesh,
+                                                  mm=mm, mesh=mesh,
                                                   state_specs=state_specs),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         # With a mesh the sampler runs on one device of this process (the logits are
@@ -181,7 +187,7 @@ class ModelRunner:
         for i, b in enumerate(buckets):
             if b not in self.executables:
                 args = self._abstract_args(b)
-                self.executables[b] = self._forward.lower(*args, bucket=b).compile()
+                self.executables[b] = self._forward.lower(*args, bucket=b).compile(self.compiler_options)
             if b.sample_rows not in self.samplers:
                 _, _, pen, _, t = self._abstract_args(b)
                 one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)

@@ -100,13 +100,28 @@ def embed_lookup(emb: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Arr
 INVARIANT_TILE = 32
 
 
+def _is_quantized(w) -> bool:
+    return not isinstance(w, jax.Array) and hasattr(w, "scales")   # a QuantizedWeight
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant)."""
+    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant).
+    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): XLA:CPU's quantized path."""
+    if _is_quantized(w):
+        from pallas_kernels.quantized_matmul import quantized_matmul_xla
+        return quantized_matmul_xla(x, w)
     return x @ w
 
 
 def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above)."""
+    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above). A quantized
+    ``w`` is converted first (int8: the per-channel scale applies after the dot)."""
+    if _is_quantized(w):
+        from pallas_kernels.quantized_matmul import dequantize
+        if w.bits == 8:
+            y = tiled_matmul(x.astype(jnp.float32), w.q.astype(jnp.float32)) * w.scales[None, :]
+            return y.astype(x.dtype)
+        return tiled_matmul(x, dequantize(w).astype(x.dtype))
     T = x.shape[0]
     if T == 1:
         return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]

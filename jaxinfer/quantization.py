@@ -1,0 +1,72 @@
+"""Weight-only quantization at load time: ``--quantization int8 | int4``.
+
+Every matmul weight of the model (q/k/v/o, gate/up/down, the LM head) becomes a
+``QuantizedWeight`` (pallas_kernels/quantized_matmul.py): int8 with one scale per output
+channel, or int4 packed two per byte with one scale per group of rows along K. The
+embedding table stays in the model dtype (it is gathered, not multiplied). The model's
+``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel, on CPU XLA
+(dequantize fused before the dot; see layers.matmul).
+
+Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout
+(K-packed nibbles, f32 scales per group), and our matmuls are one explicit hook rather
+than einsum/dot calls a library could intercept in module code; the quantizer is a max-abs
+scale and a round. qwix's PTQ rewrites module calls and would still need a converter to
+this layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+MODES = {"int8": 8, "int4": 4}
+MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
+def int4_group(cfg: Any) -> int:
+    """The largest group in (128, 64, 32) that divides every matmul's K (the hidden size,
+    the attention width and the MLP width): SmolLM2's 576 takes 64."""
+    ks = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    for g in (128, 64, 32):
+        if all(k % g == 0 for k in ks):
+            return g
+    raise ValueError(f"quantization int4: no group of 128, 64 or 32 rows divides the model's "
+                     f"matmul widths {ks}")
+
+
+def check_mode(mode: str | None) -> int | None:
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise ValueError(f"quantization: unsupported {mode!r}; choose one of {', '.join(MODES)} "
+                         "(or none)")
+    return MODES[mode]
+
+
+def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
+    """A new module whose matmul weights are quantized (the given one is left as it is)."""
+    bits = check_mode(mode)
+    if bits is None:
+        return model
+    from pallas_kernels.quantized_matmul import quantize
+
+    group = int4_group(model.cfg) if bits == 4 else 0
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        if path[-1] in MATMUL_WEIGHTS:
+            var = var.replace(value=quantize(var.get_value(), bits, group or 128))
+        flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def is_quantized(model: nnx.Module) -> bool:
+    return hasattr(model.lm_head.get_value(), "scales")
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes of every parameter array (quantized values and scales included)."""
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))

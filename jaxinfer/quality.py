@@ -1,0 +1,86 @@
+"""How far a quantized model strays from its float32 original: next-token KL divergence
+along the float32 model's own greedy continuation, and greedy agreement.
+
+Used by benchmarks/quant_quality.py (all MT-Bench prompts) and tests/test_quantization.py
+(a few). Teacher-forced: both models see the same tokens (prompt + the float32 greedy
+continuation), so one early divergence does not make every later position incomparable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.models import layers as L
+from jaxinfer.reference import PAGE, paged_contiguous_attention
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "count"))
+def _tail_logits(graphdef, state, tokens, n, *, count: int):
+    """tokens i32[Lp] (the first n real, then padding) -> f32[count, V]: the logits at
+    positions n - count .. n - 1 (each predicts the token after it)."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    Lp = tokens.shape[0]
+    positions = jnp.arange(Lp, dtype=jnp.int32)
+    attn = paged_contiguous_attention(positions[None], n[None], Lp, cfg.head_dim ** -0.5,
+                                      cfg.sliding_window)
+    shape = (Lp // PAGE, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    cache = [(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)]
+    idx = n - count + jnp.arange(count, dtype=jnp.int32)
+    logits, _ = model(tokens, positions, cache, attn, idx, L.matmul)
+    return logits
+
+
+def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int) -> np.ndarray:
+    """f32[count, V]: next-token logits at the last ``count`` positions of ``tokens``."""
+    n = len(tokens)
+    Lp = max(128, -(-n // 128) * 128)        # a short ladder of padded lengths: few compiles
+    padded = np.zeros(Lp, np.int32)
+    padded[:n] = tokens
+    graphdef, state = nnx.split(model)
+    return np.asarray(_tail_logits(graphdef, state, padded, np.int32(n), count=count))
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(P || Q) per row, in nats, from logits [..., V] (float64 log-softmax)."""
+    lp = _log_softmax(np.asarray(p_logits, np.float64))
+    lq = _log_softmax(np.asarray(q_logits, np.float64))
+    return np.sum(np.exp(lp) * (lp - lq), axis=-1)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two greedy continuations share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(reference: nnx.Module, candidate: nnx.Module, prompts: Sequence[Sequence[int]],
+            ref_tokens: Sequence[Sequence[int]], cand_tokens: Sequence[Sequence[int]]) -> dict:
+    """Mean next-token KL(reference || candidate) along the reference's continuations, and
+    greedy agreement of the candidate's own continuations with them."""
+    kls, agree = [], []
+    for p, rt, ct in zip(prompts, ref_tokens, cand_tokens):
+        seq = list(p) + list(rt[:-1])         # position len(p) - 1 + i predicts rt[i]
+        count = len(rt)
+        kls.append(kl_divergence(tail_logits(reference, seq, count), tail_logits(candidate, seq, count)))
+        agree.append(leading_agreement(rt, ct))
+    kl = np.concatenate(kls)
+    n = len(ref_tokens[0]) if ref_tokens else 0
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "num_positions": int(kl.size),
+            "mean_leading_agreement": float(np.mean(agree)), "tokens_per_prompt": n,
+            "fully_identical": float(np.mean([a == len(rt) for a, rt in zip(agree, ref_tokens)]))}

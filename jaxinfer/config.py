@@ -342,6 +342,9 @@ class EngineConfig:
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")
+        _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
+                 "quantization with tensor_parallel_size > 1 is not supported yet (the quantized "
+                 "weights' scales are not sharded)")
         v = self.tensor_parallel_size
         _require(isinstance(v, int) and v >= 0, "tensor_parallel_size",
                  f"must be a positive integer (or 0 for auto), got {v!r}")

@@ -20,7 +20,6 @@ from jaxinfer.models import layers as L
 from jaxinfer.reference import PAGE, paged_contiguous_attention
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "count"))
 def _tail_logits(graphdef, state, tokens, n, *, count: int):
     """tokens i32[Lp] (the first n real, then padding) -> f32[count, V]: the logits at
     positions n - count .. n - 1 (each predicts the token after it)."""
@@ -44,7 +43,18 @@ def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int) -> np.ndar
     padded = np.zeros(Lp, np.int32)
     padded[:n] = tokens
     graphdef, state = nnx.split(model)
-    return np.asarray(_tail_logits(graphdef, state, padded, np.int32(n), count=count))
+    key = (graphdef, jax.tree.structure(state), Lp, count)
+    if key not in _COMPILED:
+        from jaxinfer.quantization import is_quantized
+        options = None
+        if is_quantized(model) and jax.default_backend() == "cpu":
+            from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS as options
+        fn = jax.jit(functools.partial(_tail_logits, graphdef, count=count))
+        _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(options and dict(options))
+    return np.asarray(_COMPILED[key](state, padded, np.int32(n)))
+
+
+_COMPILED: dict = {}     # (graphdef, state structure, padded length, count) -> executable
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

@@ -17,11 +17,18 @@ def default_gguf_path() -> str:
 
 
 def pytest_configure(config):
-    """One persistent XLA compilation cache for the whole session: engines and generators
+    """One persistent XLA compilation cache for the whole run, shared by the xdist workers
+    (pyproject's addopts run two) and the subprocesses tests start: engines and generators
     built by different tests compile identical executables once (the cold-start figure is
     measured by benchmarks, not here)."""
+    import os
     import tempfile
 
     from jaxinfer.engine.engine import enable_compilation_cache
 
-    enable_compilation_cache(tempfile.mkdtemp(prefix="jaxinfer-xla-cache-"))
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:
+        path = os.path.join(tempfile.gettempdir(), f"jaxinfer-xla-cache-{run}")
+    else:
+        path = tempfile.mkdtemp(prefix="jaxinfer-xla-cache-")
+    enable_compilation_cache(path)

@@ -83,6 +83,14 @@ def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
+# Four buckets (decode 1 / 8 slots, prefill-only and mixed 8 + prefill) keep compile time
+# down while a request still moves between bucket shapes; tests/test_serving_real.py uses
+# the same shape so the run's compilation cache serves it.
+DEFAULT_MODEL_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                               num_pages=48, page_buckets=(32,), decode_buckets=(1, 8),
+                               mixed_decode_buckets=(0, 8), prefill_buckets=((1, 64),))
+
+
 @pytest.mark.slow
 def test_default_model_token_exact_under_batching(default_loaded):
     """>= 32 mixed-length prompts, arriving over time, chunked prefill (64-token budget) and
@@ -100,8 +108,7 @@ def test_default_model_token_exact_under_batching(default_loaded):
         prompts.append(ids if len(prompts) % 3 else rng.randint(0, 49152, size=n).tolist())
     max_toks = [int(rng.choice([1, 5, 17, 24])) for _ in prompts]
 
-    eng = Engine(loaded=default_loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=512, num_pages=48, page_buckets=(32,))
+    eng = Engine(loaded=default_loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
     COMPILES.count, COMPILES.active = 0, True
     try:
         ids, outs, i = [], {}, 0

@@ -24,10 +24,23 @@ WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
 ROOT = WORKER.parents[1]
 
 
-def run_worker(*args: str, timeout: int = 900) -> dict:
+def _cache_args() -> list[str]:
+    """The run's compilation cache (conftest.py), so workers reuse what others compiled."""
+    import jax
+
+    d = jax.config.jax_compilation_cache_dir
+    return ["--compilation-cache", d] if d else []
+
+
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
+    return env
+
+
+def run_worker(*args: str, timeout: int = 900) -> dict:
+    env = _env()
+    p = subprocess.run([sys.executable, str(WORKER), *args, *_cache_args()], capture_output=True, text=True,
                        timeout=timeout, env=env, cwd=ROOT)
     assert p.returncode == 0, f"worker {args} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -125,15 +138,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_one_model():
+def test_two_processes_one_model(grid):
     """Two processes on 127.0.0.1 (gloo), one CPU device each, TP=2 spanning both: process 0
-    schedules and samples, process 1 replays every step; tokens identical to one process."""
-    single = run_worker("single")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    schedules and samples, process 1 replays every step; tokens identical to one process
+    with one device (the grid's 1x1 run of the same model, prompts and engine shape)."""
+    env = _env()
     coord = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", "--coordinator", coord,
-                               "--num-processes", "2", "--process-id", str(i)],
+                               "--num-processes", "2", "--process-id", str(i), *_cache_args()],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for i in range(2)]
     outs = []
@@ -147,7 +159,7 @@ def test_two_processes_one_model():
             if p.poll() is None:
                 p.kill()
     leader, follower = outs
-    assert leader["tokens"] == single["tokens"]
+    assert leader["tokens"] == grid["llama_8q4kv"]["1x1"]["tokens"]
     assert len(leader["devices"]) == 2
     assert follower["followed_steps"] == leader["steps"] > 0
 

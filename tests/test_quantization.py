@@ -57,7 +57,7 @@ def test_quantization_errors_name_the_problem(tiny):
     with pytest.raises(ValueError, match="quantization: must be None, 'int8' or 'int4'"):
         EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match="quantization with tensor_parallel_size > 1"):
-        Engine(loaded=tiny, progress=False, quantization="int8", tensor_parallel_size=2, **ENGINE_KW)
+        EngineConfig(quantization="int8", tensor_parallel_size=2)
 
 
 def test_dispatch_picks_kernels_by_backend():
@@ -78,18 +78,19 @@ def test_dispatch_picks_kernels_by_backend():
 @pytest.mark.slow
 def test_default_model_int8_quality():
     """SmolLM2 on MT-Bench prompts: int8 weights keep the next-token distribution close to
-    float32 (mean KL < 0.01 along the float32 greedy continuation), and greedy continuations
-    mostly agree. (benchmarks/quant_quality.py runs all 80 questions, int4 too.)"""
+    float32, mean KL(f32 || int8) < 0.01 (issue 6's bar), measured teacher-forced over the
+    last 32 positions of each chat-templated prompt. benchmarks/quant_quality.py measures it
+    along the float32 greedy continuations of all 80 questions, with greedy agreement."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    from quant_quality import DATA, greedy, prompts
+    from quant_quality import DATA, prompts
 
     from jaxinfer.loading import load_model
-    from jaxinfer.quality import compare
+    from jaxinfer.quality import kl_divergence, tail_logits
 
     loaded = load_model(None, "float32")
-    ps = prompts(loaded.tokenizer, DATA, 12)
-    ref_tokens, ref_model, _ = greedy(loaded, None, ps, 16)
-    toks, model, _ = greedy(loaded, "int8", ps, 16)
-    r = compare(ref_model, model, ps, ref_tokens, toks)
-    assert r["mean_kl"] < 0.01, r
-    assert r["mean_leading_agreement"] >= 8, r
+    q8 = quantize_model(loaded.model, "int8")
+    kls = [kl_divergence(tail_logits(loaded.model, p, 32), tail_logits(q8, p, 32))
+           for p in prompts(loaded.tokenizer, DATA, 8)]
+    kl = np.concatenate(kls)
+    assert kl.shape == (8 * 32,)
+    assert 0 < kl.mean() < 0.01, kl.mean()

@@ -9,7 +9,6 @@ cannot share the pytest process. Modes (each prints one JSON object on its last 
 * ``load``: a tiny HF checkpoint (and its orbax conversion) loaded straight into shards.
 * ``default``: the embedded SmolLM2 with tp=3 (and the error for tp=2/4/8).
 * ``mp``: one process of a 2-process tp=2 engine over jax.distributed (gloo on CPU);
-  ``single``: the same workload in one process with one device (the reference).
 """
 
 from __future__ import annotations
@@ -131,7 +130,8 @@ def mode_grid() -> dict:
             for a, b in zip(r["logits"], ref["logits"]):
                 a, b = np.asarray(a), np.asarray(b)
                 err = max(err, float(np.max(np.abs(a - b)) / np.max(np.abs(b))))
-            res[key] = {"tokens_equal": r["tokens"] == ref["tokens"], "max_rel_logit_err": err,
+            res[key] = {"tokens": r["tokens"], "tokens_equal": r["tokens"] == ref["tokens"],
+                        "max_rel_logit_err": err,
                         "replicas": r["replicas"], "leaked_pages": r["leaked_pages"],
                         "kv_heads_per_device": r["kv_heads_per_device"]}
         out[name] = res
@@ -261,18 +261,9 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     return res
 
 
-def mode_single() -> dict:
-    from jaxinfer.config import SamplingParams
-    from jaxinfer.engine.engine import Engine
-
-    eng = Engine(loaded=tiny_loaded("llama_8q4kv"), progress=False, **ENGINE_KW)
-    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    return {"tokens": [o.outputs[0].token_ids for o in outs]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["grid", "default", "mp", "single", "load"])
+    ap.add_argument("mode", choices=["grid", "default", "mp", "load"])
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--devices", type=int, default=8)
@@ -284,7 +275,7 @@ def main() -> None:
     a = ap.parse_args()
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 1 if a.mode in ("mp", "single") else a.devices)
+    jax.config.update("jax_num_cpu_devices", 1 if a.mode == "mp" else a.devices)
     if a.compilation_cache:
         from jaxinfer.engine.engine import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
@@ -294,10 +285,8 @@ def main() -> None:
         res = mode_default([int(x) for x in a.tp.split(",")])
     elif a.mode == "load":
         res = mode_load(a.hf_dir, a.tmp)
-    elif a.mode == "mp":
-        res = mode_mp(a.coordinator, a.num_processes, a.process_id)
     else:
-        res = mode_single()
+        res = mode_mp(a.coordinator, a.num_processes, a.process_id)
     sys.stdout.write("\n" + json.dumps(res) + "\n")
     sys.stdout.flush()
     os._exit(0)   # skip interpreter teardown (jax.distributed shutdown races the other process)

@@ -90,6 +90,9 @@ class Engine:
             enable_compilation_cache(config.compilation_cache_dir)
         if config.tensor_parallel_size == 0:
             config = self.config = _resolve_auto_tp(config, loaded.config if loaded else None, model)
+            if config.quantization and config.tensor_parallel_size > 1:     # re-check, now known
+                config = self.config = dataclasses.replace(config, tensor_parallel_size=1)
+                log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = _replica_meshes(config)
         if loaded is None:
             loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
@@ -99,9 +102,6 @@ class Engine:
         self.model_name = model or os.path.basename(self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        if config.quantization and config.tensor_parallel_size > 1:
-            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet "
-                             "(the quantized weights' scales are not sharded)")
         from jaxinfer.quantization import quantize_model
 
         models = [quantize_model(m, config.quantization) for m in _place_replicas(loaded, meshes)]

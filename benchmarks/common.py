@@ -282,6 +282,38 @@ def hf_latency(model: Any, ids: Sequence[int], new_tokens: int) -> dict[str, Any
     return latency_figures(clock.times, total, len(toks), toks)
 
 
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def load_llama_cpp(threads: int = TORCH_THREADS) -> Any:
+    """llama.cpp (llama-cpp-python) on the default model's own GGUF (Q4_1), CPU threads as
+    torch gets."""
+    from llama_cpp import Llama
+
+    from jaxinfer.loading.default import default_model_path
+
+    return Llama(model_path=default_model_path(), n_ctx=1024, n_batch=512, n_threads=threads,
+                 n_threads_batch=threads, verbose=False)
+
+
+def llama_cpp_latency(llm: Any, ids: Sequence[int], new_tokens: int) -> dict[str, Any]:
+    """Batch-1 greedy (top_k=1) generation of exactly ``new_tokens`` (EOS not checked), with
+    per-token times like ``hf_latency``."""
+    llm.reset()
+    t0 = time.perf_counter()
+    times, toks = [], []
+    for tok in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                            reset=True):
+        times.append(time.perf_counter() - t0)
+        toks.append(int(tok))
+        if len(toks) == new_tokens:
+            break
+    return latency_figures(times, time.perf_counter() - t0, len(toks), toks)
+
+
 def hf_throughput(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = _hf_generate(model, prompts, new_tokens)

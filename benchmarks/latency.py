@@ -16,7 +16,11 @@ The engine is configured for a batch-1 run (small bucket ladders keep compile ti
 max_num_seqs=1, one decode bucket, prefill chunks of 32 and 512, page tables of 16 and 40
 pages (max_model_len 640).
 
-    python benchmarks/latency.py [--no-hf] [--hf-threads 2,1] [--no-batch-invariant] [--out /tmp/latency.json]
+With ``--quantization int8|int4`` the engine's weights are quantized at load time; where
+llama-cpp-python is installed, llama.cpp runs the default model's own GGUF (Q4_1) in the
+same run (``--no-llama-cpp`` skips it).
+
+    python benchmarks/latency.py [--no-hf] [--hf-threads 2,1] [--no-batch-invariant] [--quantization int8] [--out /tmp/latency.json]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def engine_config(args) -> dict:
     budget = args.max_num_batched_tokens
     chunks = sorted({c for c in (32, budget) if c <= budget})
     decode = sorted({min(1 << i, args.max_num_seqs) for i in range(args.max_num_seqs.bit_length())})
-    return dict(dtype="float32", page_size=page, max_num_seqs=args.max_num_seqs,
+    return dict(dtype="float32", page_size=page, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=budget, max_model_len=max_model_len,
                 batch_invariant=args.batch_invariant, num_pages=args.max_num_seqs * full + 8,
                 decode_buckets=tuple(decode), mixed_decode_buckets=(0,) if args.max_num_seqs == 1 else (0, args.max_num_seqs),
@@ -84,15 +88,16 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=640)
-    p.add_argument("--quantization", default=None, help="weight quantization (not implemented yet)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the engine's matmul weights")
+    p.add_argument("--llama-cpp", action=__import__("argparse").BooleanOptionalAction, default=True,
+                   help="measure llama.cpp (llama-cpp-python) in the same run where installed")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="JAX persistent compilation cache (a second run loads the executables: "
                         "warm start); default none, so compile time is the cold figure")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats (best kept)")
     C.add_hf_args(p)
     args = p.parse_args()
-    if args.quantization:
-        p.error(f"--quantization {args.quantization}: not implemented yet")
 
     from jaxinfer import Engine
     from jaxinfer.loading import load_model
@@ -134,7 +139,13 @@ def main() -> None:
     elif args.hf:
         print("transformers/torch not importable: HF peer skipped")
 
-    ours_dec, ours_pre, other_dec, other_pre = [], [], [], []
+    llm = None
+    if args.llama_cpp and C.llama_cpp_available():
+        llm = C.load_llama_cpp()
+        C.llama_cpp_latency(llm, dec["ids"][:8], 2)        # warm-up
+    elif args.llama_cpp:
+        print("llama_cpp not importable (pip install llama-cpp-python): llama.cpp peer skipped")
+    ours_dec, ours_pre, other_dec, other_pre, lc_dec, lc_pre = [], [], [], [], [], []
     hf_runs = {th: ([], []) for th in threads}
     for _ in range(args.repeats):             # interleaved so both see the same load
         ours_dec.append(engine_request(engine, dec["ids"], n_dec))
@@ -142,6 +153,9 @@ def main() -> None:
         if other is not None:
             other_dec.append(engine_request(other, dec["ids"], n_dec))
             other_pre.append(engine_request(other, pre["ids"], 1))
+        if llm is not None:
+            lc_dec.append(C.llama_cpp_latency(llm, dec["ids"], n_dec))
+            lc_pre.append(C.llama_cpp_latency(llm, pre["ids"], 1))
         for th in threads if hf is not None else ():
             C.set_hf_threads(th)
             hf_runs[th][0].append(C.hf_latency(hf, dec["ids"], n_dec))
@@ -154,8 +168,8 @@ def main() -> None:
                     f"jax {res['machine']['jax']}, {res['machine']['date']}"),
         ("workload", w["source"] + (" (SYNTHETIC)" if w["synthetic"] else "")),
         ("matmul ceiling f32 2048^3", f"{res['matmul_ceiling']['gflops']} GFLOP/s"),
-        ("engine", f"batch_invariant={args.batch_invariant}, max_num_seqs={args.max_num_seqs}, "
-                   f"{res['num_buckets']} buckets"),
+        ("engine", f"batch_invariant={args.batch_invariant}, quantization={args.quantization}, "
+                   f"max_num_seqs={args.max_num_seqs}, {res['num_buckets']} buckets"),
         ("engine compile (warm-up)", f"{res['engine_compile_s']:.1f} s "
                                      f"(init {res['engine_init_s']:.1f} s, first run {res['engine_first_run_s']:.1f} s)"),
         ("ours decode", f"{od['decode_tok_s']:.1f} tok/s (e2e {od['e2e_tok_s']:.1f}, TTFT "
@@ -178,6 +192,17 @@ def main() -> None:
             ("batch-invariance cost", f"decode {res['batch_invariance_cost']['decode'] * 100:+.0f}% "
                                       f"(fast/inv - 1), TTFT-512 {res['batch_invariance_cost']['ttft_512'] * 100:+.0f}% "
                                       f"(inv/fast - 1); tokens identical: {xd['token_ids'] == od['token_ids']}"),
+        ]
+    if llm is not None:
+        ld, lp = best(lc_dec, "decode_tok_s", lower=False), best(lc_pre, "ttft_s")
+        res["llama_cpp"] = {"decode": ld, "prefill": lp, "all_decode": lc_dec, "all_prefill": lc_pre,
+                            "decode_ratio": od["decode_tok_s"] / ld["decode_tok_s"]}
+        rows += [
+            ("llama.cpp decode (Q4_1 GGUF, 2 thr)", f"{ld['decode_tok_s']:.1f} tok/s (e2e {ld['e2e_tok_s']:.1f}, "
+                                                    f"TTFT {ld['ttft_s'] * 1e3:.0f} ms)"),
+            ("llama.cpp TTFT 512", f"{lp['ttft_s'] * 1e3:.0f} ms"),
+            ("ratio decode ours/llama.cpp", f"{res['llama_cpp']['decode_ratio']:.2f}x  (issue-6 floor >= 1: "
+                                            f"{'holds' if res['llama_cpp']['decode_ratio'] >= 1 else 'FAILS'})"),
         ]
     if hf is not None:
         res["hf_threads"] = {}

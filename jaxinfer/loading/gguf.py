@@ -74,12 +74,7 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
     Raises FileNotFoundError (no such file), ValueError (not a GGUF / corrupt, unsupported
     architecture, tokenizer or tensor type, shapes that contradict the metadata).
     """
-    reader = open_gguf(path)
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    reader, arch = _open_supported(path)
     meta = _metadata(reader)
     infos = {t.name: t for t in reader.tensors}
     _check_types(path, reader.tensors)
@@ -115,17 +110,23 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
 
 def read_gguf_config(path: str) -> dict[str, Any]:
     """The HF-style config of a GGUF file from its metadata alone (no tensor is read)."""
+    reader, arch = _open_supported(path)
+    meta = _metadata(reader)
+    config = _config(path, arch, meta, {t.name: t for t in reader.tensors})
+    if not config.get("vocab_size"):
+        config["vocab_size"] = Tokenizer.from_gguf_metadata(meta).vocab_size
+    return config
+
+
+def _open_supported(path: str) -> tuple[Any, str]:
+    """The reader and the architecture name; ValueError for an architecture we do not run."""
     reader = open_gguf(path)
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    meta = _metadata(reader)
-    config = _config(path, arch, meta, {t.name: t for t in reader.tensors})
-    if not config.get("vocab_size"):
-        config["vocab_size"] = Tokenizer.from_gguf_metadata(meta).vocab_size
-    return config
+    return reader, arch
 
 
 def open_gguf(path: str) -> Any:

@@ -215,3 +215,19 @@ def test_replicated_kv_heads_match_grouped_attention():
             now = h // (new.num_heads // new.num_kv_heads)
             np.testing.assert_array_equal(wk[:, now], flat["layers.0.wk"].reshape(D, 2, hd)[:, orig])
             np.testing.assert_array_equal(bv[now], flat["layers.0.bv"].reshape(2, hd)[orig])
+
+
+def test_auto_tensor_parallel_size():
+    """-tp auto: the largest size the model's head counts allow on the visible devices."""
+    from jaxinfer.cli import build_parser, engine_config
+
+    smol = _cfg(num_heads=9, num_kv_heads=3, intermediate_size=1536, vocab_size=49152)
+    assert sharding.auto_tp_size(smol, 8) == 3
+    assert sharding.auto_tp_size(_cfg(), 8) == 8
+    assert sharding.auto_tp_size(_cfg(), 6) == 4
+    assert sharding.auto_tp_size(_cfg(), 1) == 1
+    args = build_parser().parse_args(["generate", "x", "-tp", "auto", "-dp", "2"])
+    cfg = engine_config(args, default_max_seqs=1)
+    assert (cfg.tensor_parallel_size, cfg.data_parallel_size) == (0, 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "-tp", "0"])

@@ -4,7 +4,7 @@ For each MT-Bench question (first turn, chat template): the float32 engine's gre
 continuation of ``--tokens`` tokens; each quantized engine's own greedy continuation
 (leading agreement with float32) and, teacher-forced along the float32 continuation, the
 mean KL(float32 || quantized) of the next-token distributions (jaxinfer/quality.py).
-Also the bytes of the weights in each format.
+Also the bytes of the weights in each format. ``kv-int8``: float32 weights, int8 KV pages.
 
     python benchmarks/quant_quality.py --out /tmp/bench/quant_quality.json     # ~10 min
 """
@@ -35,11 +35,12 @@ def prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
             for t in texts[:n]]
 
 
-def greedy(loaded, quantization, ps, tokens) -> tuple[list[list[int]], object, float]:
+def greedy(loaded, quantization, ps, tokens, kv_cache_dtype=None) -> tuple[list[list[int]], object, float]:
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
 
-    eng = Engine(loaded=loaded, progress=False, quantization=quantization, **ENGINE_KW)
+    eng = Engine(loaded=loaded, progress=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                 **ENGINE_KW)
     t0 = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], eng.loaded.model, time.perf_counter() - t0
@@ -51,7 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--modes", default="int8,int4")
+    ap.add_argument("--modes", default="int8,int4,kv-int8",
+                    help="int8 / int4 weights, kv-int8: float32 weights with int8 KV pages")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -65,12 +67,13 @@ def main() -> None:
     res = {"prompts": len(ps), "synthetic": not Path(a.data).exists(), "tokens": a.tokens,
            "float32_weight_bytes": weight_bytes(ref_model), "modes": {}}
     print(f"{len(ps)} prompts{' (synthetic)' if res['synthetic'] else ''}, {a.tokens} greedy tokens each\n")
-    print("| weights | weight MB | mean KL(f32 ‖ q) | max KL | mean leading agreement | all 32 identical |")
+    print("| mode | weight MB | mean KL(f32 ‖ q) | max KL | mean leading agreement | all 32 identical |")
     print("|---|---|---|---|---|---|")
     print(f"| float32 | {res['float32_weight_bytes'] / 1e6:.0f} | 0 | 0 | {a.tokens} / {a.tokens} | 100% |")
     for mode in a.modes.split(","):
-        toks, model, secs = greedy(loaded, mode, ps, a.tokens)
-        r = compare(ref_model, model, ps, ref_tokens, toks)
+        kv = mode == "kv-int8"
+        toks, model, secs = greedy(loaded, None if kv else mode, ps, a.tokens, "int8" if kv else None)
+        r = compare(ref_model, model, ps, ref_tokens, toks, kv_int8=kv)
         r["weight_bytes"] = weight_bytes(model)
         res["modes"][mode] = r
         print(f"| {mode} | {r['weight_bytes'] / 1e6:.0f} | {r['mean_kl']:.5f} | {r['max_kl']:.4f} | "

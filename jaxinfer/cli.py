@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="JAX persistent compilation cache dir ('' to disable)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of every matmul weight at load time")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="KV pages: the model's dtype (auto) or int8 with a scale per token and head")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "
@@ -91,7 +93,8 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int):
         compilation_cache_dir=args.compilation_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
-        data_parallel_size=args.data_parallel_size, quantization=args.quantization)
+        data_parallel_size=args.data_parallel_size, quantization=args.quantization,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -325,6 +325,9 @@ class EngineConfig:
     # Weight-only quantization of every matmul weight at load time: None | "int8" | "int4"
     # (jaxinfer/quantization.py).
     quantization: str | None = None
+    # KV pages: None = the model's dtype; "int8" = int8 values + an f32 scale per token and
+    # KV head (engine/kv_cache.py QuantizedPages).
+    kv_cache_dtype: str | None = None
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[tuple[int, int], ...] | None = None   # (num_prefill, chunk)
@@ -342,6 +345,8 @@ class EngineConfig:
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")
+        _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
+                 f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
                  "quantization with tensor_parallel_size > 1 is not supported yet (the quantized "
                  "weights' scales are not sharded)")

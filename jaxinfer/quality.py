@@ -16,40 +16,43 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from jaxinfer.models import layers as L
 from jaxinfer.reference import PAGE, paged_contiguous_attention
 
 
-def _tail_logits(graphdef, state, tokens, n, *, count: int):
+def _tail_logits(graphdef, state, tokens, n, *, count: int, kv_int8: bool):
     """tokens i32[Lp] (the first n real, then padding) -> f32[count, V]: the logits at
-    positions n - count .. n - 1 (each predicts the token after it)."""
+    positions n - count .. n - 1 (each predicts the token after it). ``kv_int8``: K/V go
+    through int8 pages (engine/kv_cache.py QuantizedPages), as the engine stores them."""
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     Lp = tokens.shape[0]
     positions = jnp.arange(Lp, dtype=jnp.int32)
     attn = paged_contiguous_attention(positions[None], n[None], Lp, cfg.head_dim ** -0.5,
                                       cfg.sliding_window)
-    shape = (Lp // PAGE, PAGE, cfg.num_kv_heads, cfg.head_dim)
-    cache = [(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)]
+    spec = KVCacheSpec(cfg.num_layers, Lp // PAGE, PAGE, cfg.num_kv_heads, cfg.head_dim,
+                       "int8" if kv_int8 else model.dtype)
+    cache = allocate_kv_cache(spec)
     idx = n - count + jnp.arange(count, dtype=jnp.int32)
     logits, _ = model(tokens, positions, cache, attn, idx, L.matmul)
     return logits
 
 
-def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int) -> np.ndarray:
+def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int, kv_int8: bool = False) -> np.ndarray:
     """f32[count, V]: next-token logits at the last ``count`` positions of ``tokens``."""
     n = len(tokens)
     Lp = max(128, -(-n // 128) * 128)        # a short ladder of padded lengths: few compiles
     padded = np.zeros(Lp, np.int32)
     padded[:n] = tokens
     graphdef, state = nnx.split(model)
-    key = (graphdef, jax.tree.structure(state), Lp, count)
+    key = (graphdef, jax.tree.structure(state), Lp, count, kv_int8)
     if key not in _COMPILED:
         from jaxinfer.quantization import is_quantized
         options = None
         if is_quantized(model) and jax.default_backend() == "cpu":
             from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS as options
-        fn = jax.jit(functools.partial(_tail_logits, graphdef, count=count))
+        fn = jax.jit(functools.partial(_tail_logits, graphdef, count=count, kv_int8=kv_int8))
         _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(options and dict(options))
     return np.asarray(_COMPILED[key](state, padded, np.int32(n)))
 
@@ -80,14 +83,17 @@ def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def compare(reference: nnx.Module, candidate: nnx.Module, prompts: Sequence[Sequence[int]],
-            ref_tokens: Sequence[Sequence[int]], cand_tokens: Sequence[Sequence[int]]) -> dict:
+            ref_tokens: Sequence[Sequence[int]], cand_tokens: Sequence[Sequence[int]],
+            kv_int8: bool = False) -> dict:
     """Mean next-token KL(reference || candidate) along the reference's continuations, and
-    greedy agreement of the candidate's own continuations with them."""
+    greedy agreement of the candidate's own continuations with them. ``kv_int8``: the
+    candidate runs with int8 KV pages."""
     kls, agree = [], []
     for p, rt, ct in zip(prompts, ref_tokens, cand_tokens):
         seq = list(p) + list(rt[:-1])         # position len(p) - 1 + i predicts rt[i]
         count = len(rt)
-        kls.append(kl_divergence(tail_logits(reference, seq, count), tail_logits(candidate, seq, count)))
+        kls.append(kl_divergence(tail_logits(reference, seq, count),
+                                 tail_logits(candidate, seq, count, kv_int8)))
         agree.append(leading_agreement(rt, ct))
     kl = np.concatenate(kls)
     n = len(ref_tokens[0]) if ref_tokens else 0

@@ -38,8 +38,10 @@ LOGICAL_AXES: dict[str, str | None] = {
     "embed": None,
 }
 
-# The paged KV cache [num_pages, page_size, kv_heads, head_dim]: split by KV head.
-KV_PAGES_SPEC = P(None, None, MODEL, None)
+def kv_pages_spec(ndim: int) -> P:
+    """The paged KV cache [num_pages, page_size, kv_heads, head_dim] is split by KV head
+    (and so are int8 pages' scales [num_pages, page_size, kv_heads])."""
+    return P(None, None, MODEL, *([None] * (ndim - 3)))
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,

@@ -94,3 +94,70 @@ def test_default_model_int8_quality():
     kl = np.concatenate(kls)
     assert kl.shape == (8 * 32,)
     assert 0 < kl.mean() < 0.01, kl.mean()
+
+
+# ---- int8 KV pages --------------------------------------------------------------------
+
+def test_int8_pages_attention_matches_reference_and_ignores_unused_pages():
+    """The XLA attention reading int8 pages (values x per-token scales) equals the reference
+    on the same pages dequantized; NaN scales in unused pages and page 0 change nothing."""
+    import jax.numpy as jnp
+
+    from jaxinfer.attention.xla import ragged_paged_attention
+    from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv
+    from pallas_kernels.ragged_paged_attention import reference_on_step_layout
+
+    rng = np.random.default_rng(0)
+    N, ps, KVH, D, H = 12, 16, 2, 32, 4
+    kv = rng.standard_normal((2, N * ps, KVH, D)).astype(np.float32)
+    pages = []
+    for x in kv:
+        q, s = quantize_kv(jnp.asarray(x))
+        s = np.asarray(s).reshape(N, ps, KVH).copy()
+        s[[0, 10, 11]] = np.nan                                   # page 0 and two unused pages
+        pages.append(QuantizedPages(jnp.asarray(q).reshape(N, ps, KVH, D), jnp.asarray(s)))
+    page_table = jnp.asarray([[3, 4, 0, 0], [5, 6, 7, 1], [8, 9, 2, 0]], jnp.int32)
+    kv_lens = jnp.asarray([20, 60, 40], jnp.int32)
+    q_lens = jnp.asarray([1, 1, 17], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2 + 32, H, D)).astype(np.float32))
+    kw = dict(num_decode=2, prefill_chunk=32, sm_scale=D ** -0.5)
+    got = np.asarray(ragged_paged_attention(q, pages[0], pages[1], kv_lens, q_lens, page_table, **kw))
+    want = np.asarray(reference_on_step_layout(q, pages[0], pages[1], kv_lens, q_lens, page_table, **kw))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # quantization error of the values themselves: at most half a step of each token's scale
+    deq = np.asarray(pages[0].q.reshape(N * ps, KVH, D), np.float32) * np.asarray(
+        quantize_kv(jnp.asarray(kv[0]))[1])[..., None]
+    assert np.max(np.abs(deq - kv[0]) / (np.abs(kv[0]).max(-1, keepdims=True) / 127)) <= 0.5 + 1e-4
+
+
+def test_int8_kv_engine_is_batch_invariant_and_fits_more_pages(tiny):
+    """int8 pages: a request's tokens are the same alone and batched (per-token scales), no
+    page leaks, the tiny model's greedy tokens equal the float cache's, and a byte budget
+    holds (D * 2) / (D + 4) times the pages a bf16 cache would (f32 scales included)."""
+    from jaxinfer.engine.kv_cache import KVCacheSpec
+
+    eng = Engine(loaded=tiny, progress=False, kv_cache_dtype="int8", **ENGINE_KW)
+    batched = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
+    alone = [eng.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == alone
+    st = eng.stats()
+    assert st["num_free_pages"] == st["num_total_pages"]
+    f32 = Engine(loaded=tiny, progress=False, **ENGINE_KW)
+    assert batched == [o.outputs[0].token_ids for o in f32.generate(PROMPTS, GREEDY)]
+    cfg = tiny.config
+    dims = dict(num_layers=cfg.num_layers, page_size=16, num_kv_heads=cfg.num_kv_heads, head_dim=64)
+    budget = 1 << 24
+    n_bf16 = KVCacheSpec.num_pages_for_budget(budget, dtype="bfloat16", **dims)
+    n_int8 = KVCacheSpec.num_pages_for_budget(budget, dtype="int8", **dims)
+    assert abs(n_int8 / n_bf16 - 128 / 68) < 0.01, (n_int8, n_bf16)
+
+
+def test_kv_cache_dtype_errors():
+    from jaxinfer.attention import dispatch
+
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be None"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="Pallas kernels do not read int8 KV pages"):
+        dispatch.select("pallas", "gpu", kv_quantized=True)
+    assert dispatch.select("auto", "gpu", kv_quantized=True)[0] == "xla"

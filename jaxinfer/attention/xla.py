@@ -243,6 +243,11 @@ def _gather_block(pages_arr: jax.Array, pages: jax.Array) -> jax.Array:
     """
     N, ps, KVH, D = pages_arr.shape
     S, ppb = pages.shape
+    if hasattr(pages_arr, "scale"):       # int8 pages (kv_cache.QuantizedPages): q * scale
+        rows = (pages[:, :, None] * ps + jnp.arange(ps, dtype=pages.dtype)).reshape(S, ppb * ps)
+        q = pages_arr.q.reshape(N * ps, KVH, D)[rows]                          # [S, blk, KVH, D]
+        scale = pages_arr.scale.reshape(N * ps, KVH)[rows]                     # [S, blk, KVH]
+        return q.astype(jnp.float32) * scale[..., None]
     src = pages_arr
     if src.dtype == jnp.bfloat16:
         src = lax.bitcast_convert_type(src, jnp.uint16)
@@ -287,6 +292,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     layout: contiguous as in ``cu_q_lens``, or with gaps). Tokens owned by no sequence
     give zeros. Other arguments as in ``ragged_paged_attention``. Returns [T, H, D].
     """
+    if hasattr(k_pages, "scale"):         # int8 pages: the reference reads them dequantized
+        k_pages, v_pages = k_pages.dequantize(), v_pages.dequantize()
     T, H, D = q.shape
     _, ps, KVH, _ = k_pages.shape
     G = H // KVH

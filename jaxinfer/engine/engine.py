@@ -108,7 +108,8 @@ class Engine:
         # keep the quantized model, not the float one (the caller's LoadedModel is untouched)
         self.loaded = dataclasses.replace(loaded, model=models[0])
         run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it
-        dtype = self.loaded.model.dtype
+        # KV pages in the model's dtype, or int8 values with per-token scales
+        dtype = "int8" if config.kv_cache_dtype == "int8" else self.loaded.model.dtype
         probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, run_cfg.num_kv_heads, mc.head_dim, dtype)
         num_pages = config.num_pages or max(2, kv_budget(config) // probe.bytes_per_page)
         self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,

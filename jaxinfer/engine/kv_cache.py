@@ -29,6 +29,46 @@ import numpy as np
 KVCache = list  # list over layers of (k_pages, v_pages), each [N, page_size, KVH, D]
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedPages:
+    """int8 KV pages (``kv_cache_dtype="int8"``): values q int8 [N, page_size, KVH, D] and
+    one f32 scale per token and KV head, scale [N, page_size, KVH]; x ~= q * scale.
+
+    Per token, not per page: a token's quantization then depends on that token alone, so
+    int8 pages stay batch-invariant (a per-page scale would grow as a page fills, and the
+    rounding of earlier tokens would depend on how the sequence was chunked into steps).
+    The cost is 4 bytes per token and head: 68 bytes per 64-wide head instead of bf16's
+    128 (0.53x) or f32's 256 (0.27x).
+    """
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    @property
+    def dtype(self) -> Any:
+        return self.q.dtype
+
+    def dequantize(self) -> jax.Array:
+        return self.q.astype(jnp.float32) * self.scale[..., None]
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, KVH, D] -> (q int8 [T, KVH, D], scale f32 [T, KVH]): symmetric, max|x| / 127."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """Shape of the paged cache. Every field is static: it fixes the cache's array shapes."""
@@ -54,13 +94,19 @@ class KVCacheSpec:
         return jnp.dtype(self.dtype).itemsize
 
     @property
+    def quantized(self) -> bool:
+        return jnp.dtype(self.dtype) == jnp.int8
+
+    @property
     def page_shape(self) -> tuple[int, int, int]:
         return (self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_page(self) -> int:
-        """Bytes one page id costs across the whole model: K and V, every layer."""
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes one page id costs across the whole model: K and V, every layer (int8 pages
+        include their f32 scale per token and head)."""
+        per_head = self.head_dim * self.itemsize + (4 if self.quantized else 0)
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * per_head
 
     @property
     def total_bytes(self) -> int:
@@ -86,21 +132,28 @@ class KVCacheSpec:
                            self.dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, sharding: Any = None) -> KVCache:
-    """Zero-filled pages: a list over layers of (k_pages, v_pages). ``sharding``: where the
-    pages live (tensor parallelism splits them by KV head); each device allocates its part."""
+def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None) -> KVCache:
+    """Zero-filled pages: a list over layers of (k_pages, v_pages). With a ``mesh`` the
+    pages are split by KV head over its model axis; each device allocates its part."""
     shape = (spec.num_pages, *spec.page_shape)
-    if sharding is None:
-        return [(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))
-                for _ in range(spec.num_layers)]
-    zeros = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+
+    def make():
+        if spec.quantized:
+            return QuantizedPages(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
+        return jnp.zeros(shape, spec.dtype)
+
+    if mesh is not None:
+        from jaxinfer import sharding as shd
+        out = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, shd.kv_pages_spec(x.ndim)),
+                           jax.eval_shape(make))
+        make = jax.jit(make, out_shardings=out)
+    return [(make(), make()) for _ in range(spec.num_layers)]
 
 
 def kv_cache_shapes(spec: KVCacheSpec) -> KVCache:
     """The cache as ShapeDtypeStructs (for ahead-of-time lowering without allocating)."""
-    s = jax.ShapeDtypeStruct((spec.num_pages, *spec.page_shape), jnp.dtype(spec.dtype))
-    return [(s, s) for _ in range(spec.num_layers)]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        jax.eval_shape(lambda: allocate_kv_cache(spec)))
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -115,6 +168,9 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
     not grow with the cache (benchmarks/attention_cpu.py, "write_kv").
     """
     N, P, KVH, D = k_pages.shape
+    if isinstance(k_pages, QuantizedPages):
+        return (_write_quantized(k_pages, k_new, slot_mapping),
+                _write_quantized(v_pages, v_new, slot_mapping))
     if k_new.shape[1:] != (KVH, D) or v_new.shape != k_new.shape:
         raise ValueError(f"write_kv: k_new/v_new must be [T, {KVH}, {D}], got "
                          f"{k_new.shape} and {v_new.shape}")
@@ -128,3 +184,12 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
     vf = v_pages.reshape(N * P, KVH, D).at[slot_mapping].set(
         v_new.astype(v_pages.dtype), mode="promise_in_bounds")
     return kf.reshape(N, P, KVH, D), vf.reshape(N, P, KVH, D)
+
+
+def _write_quantized(pages: QuantizedPages, x: jax.Array, slot_mapping: jax.Array) -> QuantizedPages:
+    """Quantize this step's rows x [T, KVH, D] (one scale per token and head) and scatter."""
+    N, P, KVH, D = pages.shape
+    q, scale = quantize_kv(x)
+    qf = pages.q.reshape(N * P, KVH, D).at[slot_mapping].set(q, mode="promise_in_bounds")
+    sf = pages.scale.reshape(N * P, KVH).at[slot_mapping].set(scale, mode="promise_in_bounds")
+    return QuantizedPages(qf.reshape(N, P, KVH, D), sf.reshape(N, P, KVH))

@@ -90,15 +90,16 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Buc
 
 
 def forward_fn(graphdef, state, kv, pen, arrays: dict[str, jax.Array], t: S.SamplingTensors, *,
-               bucket: Bucket, attention: Callable, mm: Callable, mesh=None, state_specs=None):
+               bucket: Bucket, attention: Callable, mm: Callable, mesh=None, state_specs=None,
+               kv_specs=None):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V]."""
     body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL)
     if mesh is not None:
         # check_vma off: the logits leave replicated by construction (all-gathered), which
         # the varying-axes checker cannot see through the attention's index arithmetic.
-        body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, shd.KV_PAGES_SPEC, shd.P()),
-                             out_specs=(shd.P(), shd.KV_PAGES_SPEC), check_vma=False)
+        body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, kv_specs, shd.P()),
+                             out_specs=(shd.P(), kv_specs), check_vma=False)
     logits, kv = body(state, kv, arrays)
     logits = jnp.pad(logits, ((0, bucket.sample_rows - bucket.num_seqs), (0, 0)))   # [S', V]
     return logits, kv, _update_penalty_state(pen, t, arrays)
@@ -125,18 +126,19 @@ class ModelRunner:
         self.mesh = mesh
         self.publisher = publisher
         self.graphdef, self.state = nnx.split(model)
-        self.attention_name, attn_impl = dispatch.select(attention)
+        self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized)
         V = self.cfg.vocab_size
         if mesh is None:
             self.kv = kvc.allocate_kv_cache(spec)
             self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
-            state_specs = None
+            state_specs = kv_specs = None
         else:
-            self.kv = kvc.allocate_kv_cache(spec, jax.sharding.NamedSharding(mesh, shd.KV_PAGES_SPEC))
+            self.kv = kvc.allocate_kv_cache(spec, mesh)
             rep = shd.replicated(mesh)
             zeros = lambda shape, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rep)()  # noqa: E731
             self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
             state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
+            kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
         mm = dispatch.select_matmul(batch_invariant)
         # XLA:CPU's quantized path needs the memory-optimized scheduler (quantized_matmul.py)
@@ -146,7 +148,7 @@ class ModelRunner:
             self.compiler_options = dict(XLA_CPU_COMPILER_OPTIONS)
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, attention=attn_impl,
                                                   mm=mm, mesh=mesh,
-                                                  state_specs=state_specs),
+                                                  state_specs=state_specs, kv_specs=kv_specs),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same

@@ -132,18 +132,21 @@ class ReferenceGenerator:
                 for _ in range(self.cfg.num_layers)]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 seeds: Sequence[int], eos_token_ids: Sequence[int] = ()) -> list[RowResult]:
+                 seeds: Sequence[int], eos_token_ids: Sequence[int] = (), pad_to: int = 0
+                 ) -> list[RowResult]:
         """One row per prompt (expand n>1 before calling). Returns ids and logprobs per row;
-        stop strings are the caller's (they need text)."""
+        stop strings are the caller's (they need text). ``pad_to``: pad prompts and cache to
+        at least this many tokens, so calls with different prompt lengths share one compiled
+        shape (the results do not depend on the padding)."""
         B, V = len(prompts), self.cfg.vocab_size
         if B == 0:
             return []
         lens = np.array([len(p) for p in prompts], np.int32)
         if lens.min() < 1:
             raise ValueError("prompt: empty token list")
-        seq = _pad_len(int(lens.max()), 16)
+        seq = _pad_len(max(int(lens.max()), pad_to), 16)
         # >= 128, a multiple of the attention's KV block: whole blocks per row.
-        max_len = _pad_len(max(seq, int((lens + [p.max_tokens for p in params]).max())), 128)
+        max_len = _pad_len(max(seq, pad_to, int((lens + [p.max_tokens for p in params]).max())), 128)
         tokens = np.zeros((B, seq), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p

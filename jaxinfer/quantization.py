@@ -49,6 +49,7 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     bits = check_mode(mode)
     if bits is None:
         return model
+    from jaxinfer.attention.dispatch import pack_for_backend
     from pallas_kernels.quantized_matmul import quantize
 
     group = int4_group(model.cfg) if bits == 4 else 0
@@ -56,7 +57,8 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     flat = []
     for path, var in nnx.to_flat_state(state):
         if path[-1] in MATMUL_WEIGHTS:
-            var = var.replace(value=quantize(var.get_value(), bits, group or 128))
+            w = quantize(var.get_value(), bits, group or 128)
+            var = var.replace(value=pack_for_backend(w))
         flat.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -64,21 +64,34 @@ _INT4_MAX = 7
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scales"],
-                   meta_fields=["bits", "group"])
+                   meta_fields=["bits", "group", "panel"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized [K, N] weight. bits 8: q int8 [K, N], scales f32 [N] (group 0).
-    bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N]."""
+    bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N].
+    ``panel`` 64 (int8 only, the CPU kernel's layout, cpu_matmul.pack): q is int8
+    [N/64, K, 64], column panels with their rows consecutive; 0 = the plain layouts."""
 
     q: jax.Array
     scales: jax.Array
     bits: int
     group: int = 0
+    panel: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.panel:
+            n_panels, k, p = self.q.shape
+            return (k, n_panels * p)
         rows, n = self.q.shape
         return (rows * 2 if self.bits == 4 else rows, n)
+
+    def unpanelled(self) -> jax.Array:
+        """q in the plain [K, N] layout (int8)."""
+        if not self.panel:
+            return self.q
+        K, N = self.shape
+        return self.q.transpose(1, 0, 2).reshape(K, N)
 
     def __getitem__(self, key: Any) -> "QuantizedWeight":
         """``param[...]`` (how a model reads its weights) returns the weight itself."""
@@ -148,20 +161,23 @@ def _unpack_int4(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """QuantizedWeight -> f32 [K, N]."""
     if w.bits == 8:
-        return w.q.astype(jnp.float32) * w.scales[None, :]
+        return w.unpanelled().astype(jnp.float32) * w.scales[None, :]
     K, N = w.shape
     lo, hi = _unpack_int4(w.q)
     full = jnp.stack([lo, hi], axis=1).reshape(K, N).astype(jnp.float32)
     return (full.reshape(K // w.group, w.group, N) * w.scales[:, None, :]).reshape(K, N)
 
 
-def _check(x: jax.Array, w: QuantizedWeight) -> None:
+def _check(x: jax.Array, w: QuantizedWeight, panel_ok: bool = False) -> None:
     if not isinstance(w, QuantizedWeight):
         raise TypeError(f"w: expected a QuantizedWeight, got {type(w).__name__}")
     if x.ndim != 2:
         raise ValueError(f"x: expected [M, K], got shape {x.shape}")
     if w.q.dtype != jnp.int8:
         raise ValueError(f"w.q: expected int8, got {w.q.dtype}")
+    if w.panel and not panel_ok:
+        raise ValueError("w: a panel-packed weight (the CPU kernel's layout) reaches only "
+                         "pallas_kernels.cpu_matmul; quantize without packing for this path")
     K, N = w.shape
     if x.shape[1] != K:
         raise ValueError(f"K: x has {x.shape[1]} columns, the weight has {K} rows")
@@ -185,7 +201,7 @@ def _check(x: jax.Array, w: QuantizedWeight) -> None:
 @jax.jit
 def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [M, K] @ dequantize(w) -> [M, N] in x's dtype; f32 math at HIGHEST precision."""
-    _check(x, w)
+    _check(x, w, panel_ok=True)
     y = jnp.dot(x.astype(jnp.float32), dequantize(w), precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)
 

@@ -50,19 +50,39 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
 
 
 def select_matmul(batch_invariant: bool, backend: str | None = None) -> Callable:
-    """The model's ``mm`` hook: plain or batch-invariant XLA dots (which also take quantized
-    weights, layers.matmul); on TPU / GPU quantized weights go to the Pallas kernel."""
+    """The model's ``mm`` hook: plain or batch-invariant XLA dots for float weights.
+    Quantized weights: on TPU / GPU the Pallas kernel; on CPU int8 goes to the C++ kernel
+    (pallas_kernels/cpu_matmul.py: batch-invariant by construction, so both modes use
+    it) when it builds, int4 (and int8 without the kernel) to XLA's path."""
     from jaxinfer.models import layers as L
 
     base = L.tiled_matmul if batch_invariant else L.matmul
     backend = backend or jax.default_backend()
-    if backend not in ("tpu", "gpu"):
-        return base
     from pallas_kernels import quantized_matmul as Q
 
-    kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
+    if backend in ("tpu", "gpu"):
+        kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
+        use = lambda w: True                       # noqa: E731
+    else:
+        from pallas_kernels import cpu_matmul
+
+        if not cpu_matmul.available():
+            return base
+        kernel = cpu_matmul.int8_matmul
+        use = lambda w: w.bits == 8                # noqa: E731
 
     def mm(x, w):
-        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) else base(x, w)
+        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) and use(w) else base(x, w)
 
     return mm
+
+
+def pack_for_backend(w, backend: str | None = None):
+    """A freshly quantized weight in the layout its backend's kernel reads fastest (the
+    CPU kernel's 64-column panels for int8 on CPU; otherwise unchanged)."""
+    backend = backend or jax.default_backend()
+    if backend in ("tpu", "gpu") or w.bits != 8:
+        return w
+    from pallas_kernels import cpu_matmul
+
+    return cpu_matmul.pack(w) if cpu_matmul.available() else w

@@ -106,8 +106,12 @@ def _is_quantized(w) -> bool:
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant).
-    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): XLA:CPU's quantized path."""
+    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): a panel-packed int8 one goes
+    to the CPU kernel (pallas_kernels/cpu_matmul.py), others to XLA:CPU's quantized path."""
     if _is_quantized(w):
+        if w.panel:
+            from pallas_kernels.cpu_matmul import int8_matmul
+            return int8_matmul(x, w)
         from pallas_kernels.quantized_matmul import quantized_matmul_xla
         return quantized_matmul_xla(x, w)
     return x @ w
@@ -115,8 +119,12 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above). A quantized
-    ``w`` is converted first (int8: the per-channel scale applies after the dot)."""
+    ``w`` is converted first (int8: the per-channel scale applies after the dot); a
+    panel-packed int8 one goes to the CPU kernel, batch-invariant by construction."""
     if _is_quantized(w):
+        if w.panel:
+            from pallas_kernels.cpu_matmul import int8_matmul
+            return int8_matmul(x, w)
         from pallas_kernels.quantized_matmul import dequantize
         if w.bits == 8:
             y = tiled_matmul(x.astype(jnp.float32), w.q.astype(jnp.float32)) * w.scales[None, :]

@@ -50,7 +50,15 @@ constexpr int kLanes = 8;   // AVX2 / NEON-sized vectors: 16 registers, so small
 typedef float fvec __attribute__((vector_size(kLanes * 4)));
 typedef int8_t bvec __attribute__((vector_size(kLanes)));
 
-constexpr int kWideRows = 3;
+// Tuning knobs (benchmarks/kernels.py --cpu-int8 rebuilds with -D to compare).
+#ifndef JAXINFER_WIDE_ROWS
+#define JAXINFER_WIDE_ROWS 3
+#endif
+#ifndef JAXINFER_INLINE_MACS
+#define JAXINFER_INLINE_MACS (1 << 15)
+#endif
+constexpr int kWideRows = JAXINFER_WIDE_ROWS;
+constexpr int64_t kInlineMacs = JAXINFER_INLINE_MACS;   // below: no helper thread
 constexpr int kTileVecs = (kLanes == 16) ? 4 : 2;   // C: vectors per register tile
 constexpr int kTileRows = (kLanes == 16) ? 6 : 4;   // R: rows per register tile
 constexpr int kWideVecs = 64 / kLanes;   // a cache line of int8 per k: the M <= 3 tile
@@ -210,7 +218,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
   // Small products run on the caller alone: a helper costs a few microseconds to wake.
   const int64_t macs = M * K * N;
-  int64_t helpers = macs < (int64_t{1} << 19) ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
+  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
   helpers = std::min(helpers, work->units - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();

@@ -1,0 +1,114 @@
+"""The CPU int8 matmul (pallas_kernels/cpu_matmul.py + cpu/int8_matmul.cc, via jax.ffi):
+values against the f32 reference on the same quantized weights, bitwise batch invariance
+(a row's bits do not depend on the other rows), panel packing, the build's errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_matmul as C
+from pallas_kernels.quantized_matmul import (QuantizedWeight, quantize,
+                                             quantized_matmul_reference, quantized_matmul_xla)
+
+if shutil.which(os.environ.get("CXX", "g++")) is None:    # the engine falls back to XLA then
+    pytest.skip("no C++ compiler: the CPU int8 kernel cannot be built here",
+                allow_module_level=True)
+
+
+def _weight(K: int, N: int, seed: int = 0) -> QuantizedWeight:
+    w = np.random.default_rng(seed).standard_normal((K, N)).astype(np.float32)
+    return quantize(jnp.asarray(w), 8)
+
+
+def _x(M: int, K: int, seed: int = 1) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((M, K)), jnp.float32)
+
+
+def test_kernel_builds_and_registers():
+    assert C.available(), C.unavailable_reason()
+    assert C.build() == C.build()            # cached: the second call compiles nothing
+
+
+# (K, N): SmolLM2 widths; N = 37 and 200 are not multiples of 64 (stay unpacked; 37 also
+# has scalar tail columns); K = 48 is not a multiple of anything the kernel blocks by.
+SHAPES = [(576, 192), (64, 128), (48, 37), (96, 200)]
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_matches_reference_and_is_batch_invariant(K, N):
+    assert C.available()
+    w = _weight(K, N)
+    wp = C.pack(w)
+    assert wp.panel == (64 if N % 64 == 0 else 0)
+    np.testing.assert_array_equal(np.asarray(wp.unpanelled()), np.asarray(w.q))
+    for M in (1, 2, 3, 4, 5, 7, 13, 33):
+        x = _x(M, K, seed=M)
+        want = np.asarray(quantized_matmul_reference(x, w))
+        got = np.asarray(C.int8_matmul(x, wp))
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 2e-6 * K ** 0.5 * scale, (M, np.abs(got - want).max())
+        # packed and plain layouts: the same bits
+        np.testing.assert_array_equal(got, np.asarray(C.int8_matmul(x, w)))
+        # each row alone: the same bits as inside the batch (1-row and tiled paths agree)
+        alone = np.concatenate([np.asarray(C.int8_matmul(x[i:i + 1], wp)) for i in range(M)])
+        np.testing.assert_array_equal(alone, got)
+
+
+def test_bf16_activations_and_inside_jit():
+    w = C.pack(_weight(128, 64))
+    x = _x(3, 128).astype(jnp.bfloat16)
+    y = jax.jit(C.int8_matmul)(x, w)
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, 64)
+    want = quantized_matmul_reference(x.astype(jnp.float32), w)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+def test_errors_name_the_problem():
+    w = C.pack(_weight(64, 64))
+    with pytest.raises(ValueError, match=r"x: expected \[M, K=64\]"):
+        C.int8_matmul(jnp.zeros((2, 32)), w)
+    with pytest.raises(ValueError, match="int8 QuantizedWeight"):
+        C.int8_matmul(jnp.zeros((2, 64)), quantize(jnp.ones((64, 64)), 4, 32))
+    with pytest.raises(ValueError, match="pack: the CPU kernel takes int8"):
+        C.pack(quantize(jnp.ones((64, 64)), 4, 32))
+    # a packed weight reaches only this kernel: the XLA path refuses it by name
+    with pytest.raises(ValueError, match="panel-packed"):
+        quantized_matmul_xla(jnp.zeros((2, 64)), w)
+
+
+def test_build_errors_are_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no C.. compiler 'no-such-compiler-xyz'"):
+        C.build()
+    monkeypatch.setenv("CXX", "false")          # a "compiler" that fails
+    with pytest.raises(RuntimeError, match="compiling int8_matmul.cc failed"):
+        C.build()
+    assert not list(tmp_path.iterdir())         # no half-written library left behind
+
+
+def test_engine_packs_int8_weights_on_cpu():
+    """On CPU, --quantization int8 packs every matmul weight whose N is a multiple of 64
+    for the kernel; the model hook sends them there (tests/test_quantization.py checks the
+    engine's tokens against the reference on the same weights)."""
+    import sys
+    import pathlib
+
+    from flax import nnx
+    from jaxinfer.quantization import quantize_model
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from tp_worker import tiny_loaded
+
+    model = quantize_model(tiny_loaded("llama_8q4kv").model, "int8")
+    ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
+          if isinstance(x, QuantizedWeight)]
+    assert ws and all(w.bits == 8 for w in ws)
+    assert all(w.panel == 64 for w in ws if w.shape[1] % 64 == 0)
+    assert any(w.panel == 64 for w in ws)

@@ -125,14 +125,23 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
     // Unpacked wide weights put every row of a tile on a new page, where the hardware
     // prefetchers stop: ask for the line kPrefetch rows ahead.
     __builtin_prefetch(q + (k + kPrefetch) * stride);
-    fvec w[C];
+    if constexpr (R == 1) {
+      // One row: convert and use each vector at once, so the C accumulators, x and one
+      // temporary fit the 16 AVX2 registers (loading all C first spilled an accumulator:
+      // a store-to-load round trip on its chain every k).
+      const fvec xb = splat(x[k]);
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) w[c] = load_q(q + k * stride + c * kLanes);
+      for (int c = 0; c < C; ++c) acc[0][c] = fma_v(xb, load_q(q + k * stride + c * kLanes), acc[0][c]);
+    } else {
+      fvec w[C];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const fvec xb = splat(x[r * p.K + k]);
+      for (int c = 0; c < C; ++c) w[c] = load_q(q + k * stride + c * kLanes);
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[r][c] = fma_v(xb, w[c], acc[r][c]);
+      for (int r = 0; r < R; ++r) {
+        const fvec xb = splat(x[r * p.K + k]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] = fma_v(xb, w[c], acc[r][c]);
+      }
     }
   }
 #pragma GCC unroll 8

@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py               # on a TPU / GPU: attention + quantized matmul
     python benchmarks/kernels.py --cpu-quant   # on CPU: f32 vs int8 vs int4 weights (XLA path)
+                                               # and the int8 C++ kernel (jax.ffi)
     python benchmarks/kernels.py --smoke tpu   # on CPU: the accelerator code, interpreted
 
 On a TPU or GPU it times, on the same inputs:
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pallas_kernels import cpu_matmul  # noqa: E402
 from pallas_kernels.quantized_matmul import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
                                              quantized_matmul_xla)
 
@@ -238,7 +240,10 @@ def cpu_quant(args) -> None:
     group = args.group
     print(f"\nCPU, XLA path (quantized_matmul_xla), int4 groups of {group}; compile options "
           f"{opts}")
-    print("per matrix: chains of distinct weights (> L3), min of round-robin rounds")
+    kernel = cpu_matmul.available()
+    print("per matrix: chains of distinct weights (> L3), min of round-robin rounds; "
+          + ("'int8 kernel' = the jax.ffi C++ kernel (pallas_kernels/cpu_matmul.py)" if kernel
+             else f"C++ kernel unavailable: {cpu_matmul.unavailable_reason()}"))
     print(f"  {'shape':18s} {'M':>2s}  {'f32 us':>8s} {'int8 us':>8s} {'int4 us':>8s}   "
           f"{'f32 GB/s':>8s} {'int8 GB/s':>9s} {'int4 GB/s':>9s}")
     shapes = [("576x576 (q,o)", 576, 576, 48), ("576x192 (k,v)", 576, 192, 96),
@@ -249,19 +254,26 @@ def cpu_quant(args) -> None:
         wf = [jnp.asarray(0.02 * rng.standard_normal((K, N)), jnp.float32) for _ in range(L)]
         w8 = [quantize(w, 8) for w in wf]
         w4 = [quantize(w, 4, group) for w in wf]
+        wk = [cpu_matmul.pack(w) for w in w8] if kernel else None
         for M in (1, 2):
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
             fns = {"f32": jax.jit(_chain(_mm_f32, L), compiler_options=opts),
                    "int8": jax.jit(_chain(quantized_matmul_xla, L), compiler_options=opts),
                    "int4": jax.jit(_chain(quantized_matmul_xla, L), compiler_options=opts)}
-            t = timed(fns, {"f32": (x, wf), "int8": (x, w8), "int4": (x, w4)},
-                      rounds=4 if args.quick else 10)
+            inputs = {"f32": (x, wf), "int8": (x, w8), "int4": (x, w4)}
+            if kernel:
+                fns["kernel"] = jax.jit(_chain(cpu_matmul.int8_matmul, L))
+                inputs["kernel"] = (x, wk)
+            t = timed(fns, inputs, rounds=4 if args.quick else 10)
             us = {k: v / L * 1e6 for k, v in t.items()}
             gbs = {"f32": K * N * 4 / (us["f32"] * 1e3), "int8": w8[0].nbytes / (us["int8"] * 1e3),
                    "int4": w4[0].nbytes / (us["int4"] * 1e3)}
+            extra = ""
+            if kernel:
+                extra = f"   int8 kernel {us['kernel']:7.1f} us {w8[0].nbytes / (us['kernel'] * 1e3):5.1f} GB/s"
             print(f"  {label:18s} {M:2d}  {us['f32']:8.1f} {us['int8']:8.1f} {us['int4']:8.1f}   "
-                  f"{gbs['f32']:8.1f} {gbs['int8']:9.1f} {gbs['int4']:9.1f}", flush=True)
-        del wf, w8, w4
+                  f"{gbs['f32']:8.1f} {gbs['int8']:9.1f} {gbs['int4']:9.1f}{extra}", flush=True)
+        del wf, w8, w4, wk
     decode_pass(rng, args)
 
 
@@ -300,6 +312,10 @@ def decode_pass(rng, args) -> None:
         variants[f"int{bits}"] = (layers_q, q(head_f), quantized_matmul_xla)
         # the LM head converts slowest (one 576 x 49152 weight): keep it f32
         variants[f"int{bits}+f32 head"] = (layers_q, head_f, _mm_any)
+        if bits == 8 and cpu_matmul.available():
+            # the engine's CPU path: the jax.ffi kernel on 64-column panels
+            variants["int8 kernel"] = ([[cpu_matmul.pack(w) for w in layer] for layer in layers_q],
+                                       cpu_matmul.pack(q(head_f)), cpu_matmul.int8_matmul)
     nbytes = {k: sum(_nbytes(w) for layer in layers for w in layer) + _nbytes(head)
               for k, (layers, head, _) in variants.items()}
     print(f"\nSmolLM2-135M decode pass: all {7 * c['layers'] + 1} matmuls of one step, no "

@@ -26,6 +26,10 @@ Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumul
   must be compiled with ``XLA_CPU_COMPILER_OPTIONS`` (memory-optimized scheduler), or XLA
   hoists every layer's conversion to the start and keeps all the f32 copies live (9x
   slower step).
+* ``pallas_kernels.cpu_matmul.int8_matmul`` — what the engine uses for int8 on CPU: a C++
+  kernel through jax.ffi that converts in registers (reads only the int8 bytes) on weights
+  packed in 64-column panels (``panel=64``); bitwise batch-invariant by construction.
+  This XLA path remains for int4 and for hosts without a C++ compiler.
 * ``quantized_matmul_tpu`` / ``quantized_matmul_gpu`` — one Pallas kernel body, lowered by
   Mosaic (TPU) or Triton (GPU): the grid walks (row block, column block); each step loads
   its [K, block_n] slab of int8 weights (half that for int4) and dequantizes in registers

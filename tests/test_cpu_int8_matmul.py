@@ -37,7 +37,7 @@ def test_kernel_builds_and_registers():
 
 # (K, N): SmolLM2 widths; N = 37 and 200 are not multiples of 64 (stay unpacked; 37 also
 # has scalar tail columns); K = 48 is not a multiple of anything the kernel blocks by.
-SHAPES = [(576, 192), (64, 128), (48, 37), (96, 200)]
+SHAPES = [(576, 192), (48, 37), (96, 200)]
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
@@ -47,7 +47,7 @@ def test_matches_reference_and_is_batch_invariant(K, N):
     wp = C.pack(w)
     assert wp.panel == (64 if N % 64 == 0 else 0)
     np.testing.assert_array_equal(np.asarray(wp.unpanelled()), np.asarray(w.q))
-    for M in (1, 2, 3, 4, 5, 7, 13, 33):
+    for M in (1, 3, 5, 13):      # 1-row tile (M <= 3) and register tiles with a remainder
         x = _x(M, K, seed=M)
         want = np.asarray(quantized_matmul_reference(x, w))
         got = np.asarray(C.int8_matmul(x, wp))

@@ -49,7 +49,8 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
     return chosen, fn
 
 
-def select_matmul(batch_invariant: bool, backend: str | None = None) -> Callable:
+def select_matmul(batch_invariant: bool, backend: str | None = None,
+                  quantized: bool = True) -> Callable:
     """The model's ``mm`` hook: plain or batch-invariant XLA dots for float weights.
     Quantized weights: on TPU / GPU the Pallas kernel; on CPU int8 goes to the C++ kernel
     (pallas_kernels/cpu_matmul.py: batch-invariant by construction, so both modes use
@@ -57,17 +58,24 @@ def select_matmul(batch_invariant: bool, backend: str | None = None) -> Callable
     from jaxinfer.models import layers as L
 
     base = L.tiled_matmul if batch_invariant else L.matmul
+    if not quantized:            # float weights: nothing to dispatch (and no kernel build)
+        return base
     backend = backend or jax.default_backend()
     from pallas_kernels import quantized_matmul as Q
 
     if backend in ("tpu", "gpu"):
         kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
         use = lambda w: True                       # noqa: E731
+        log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
     else:
         from pallas_kernels import cpu_matmul
 
         if not cpu_matmul.available():
+            log.info("matmul: quantized weights -> XLA path on backend %s (C++ kernel "
+                     "unavailable: %s)", backend, cpu_matmul.unavailable_reason())
             return base
+        log.info("matmul: int8 weights -> C++ kernel (jax.ffi), int4 -> XLA, on backend %s",
+                 backend)
         kernel = cpu_matmul.int8_matmul
         use = lambda w: w.bits == 8                # noqa: E731
 

@@ -144,7 +144,7 @@ class ModelRunner:
             state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
             kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
-        mm = dispatch.select_matmul(batch_invariant)
+        mm = dispatch.select_matmul(batch_invariant, quantized=quantization.is_quantized(model))
         # XLA:CPU's quantized path needs the memory-optimized scheduler (quantized_matmul.py)
         self.compiler_options = None
         if quantization.is_quantized(model) and jax.default_backend() == "cpu":

@@ -9,6 +9,11 @@ h // (H // KVH); softmax in f32; rows past q_len and unused slots give exact zer
 positions past kv_len are masked with selects (never multiplied), so NaN in unused pages
 cannot leak.
 
+K/V pages may be int8 (``kv_cache_dtype="int8"``: jaxinfer.engine.kv_cache.QuantizedPages,
+values int8 [N, page_size, KVH, D] and one f32 scale per token and KV head): the kernels
+move only the int8 values and the scales (the TPU kernel DMAs both per page; the GPU
+kernel gathers both) and dequantize on chip, in f32, before the dots.
+
 Entry points (for attention/dispatch.py; all take the XLA signature plus ``interpret``):
 
 * ``ragged_paged_attention_tpu`` — Mosaic kernel: KV pages stay in HBM and are gathered
@@ -97,6 +102,20 @@ def _is_pow2(a: int) -> bool:
     return a > 0 and a & (a - 1) == 0
 
 
+def _is_int8_pages(pages) -> bool:
+    """int8 KV pages (jaxinfer.engine.kv_cache.QuantizedPages: q int8 [N, ps, KVH, D] and
+    a f32 scale [N, ps, KVH] per token and KV head)."""
+    return hasattr(pages, "scale")
+
+
+def _kv_operands(k_pages, v_pages) -> tuple:
+    """The kernels' K/V operands: (k, v) for float pages, (k_q, v_q, k_scale, v_scale)
+    for int8 ones."""
+    if _is_int8_pages(k_pages):
+        return k_pages.q, v_pages.q, k_pages.scale, v_pages.scale
+    return k_pages, v_pages
+
+
 # ---------------------------------------------------------------------------------------
 # Shape validation (errors name the offending dimension)
 # ---------------------------------------------------------------------------------------
@@ -110,8 +129,15 @@ def _validate(q, k_pages, v_pages, kv_lens, q_lens, page_table, *, num_decode: i
                          f"got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages: shape {v_pages.shape} differs from k_pages {k_pages.shape}")
-    if v_pages.dtype != k_pages.dtype:
+    if v_pages.dtype != k_pages.dtype or _is_int8_pages(v_pages) != _is_int8_pages(k_pages):
         raise ValueError(f"v_pages: dtype {v_pages.dtype} differs from k_pages {k_pages.dtype}")
+    if k_pages.dtype == jnp.int8 and not _is_int8_pages(k_pages):
+        raise ValueError("k_pages: int8 pages come with their scales (kv_cache.QuantizedPages)")
+    if _is_int8_pages(k_pages):
+        for name, pg in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if pg.scale.shape != pg.q.shape[:3]:
+                raise ValueError(f"{name}.scale: expected {pg.q.shape[:3]} (one per token and "
+                                 f"KV head), got {pg.scale.shape}")
     T, H, D = q.shape
     _, ps, KVH, Dk = k_pages.shape
     if Dk != D:
@@ -319,17 +345,20 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
                 pt_ref,      # SMEM i32[S * Pp]: page table, padded with page 0
                 q_ref,       # [KVH, rb, D]
                 qpos_ref,    # i32[rb, 1]
-                k_hbm,       # [N, page_size, KVH, D] (HBM)
+                k_hbm,       # [N, page_size, KVH, D] (HBM; int8 with kv_int8)
                 v_hbm,       # [N, page_size, KVH, D] (HBM)
-                o_ref,       # [KVH, rb, D]
-                kbuf,        # VMEM [2, blk, D]
-                vbuf,        # VMEM [2, blk, D]
-                sems,        # DMA semaphores [2 slots, K/V]
-                *, plan: _Plan, sm_scale, sliding_window, soft_cap):
+                *refs,       # kv_int8: k / v scales [N, page_size, KVH, 1] (HBM); then
+                             # o [KVH, rb, D]; VMEM kbuf, vbuf [2, blk, D]; kv_int8: VMEM
+                             # kscale, vscale [2, blk, 1]; DMA semaphores [2 slots, 2 or 4]
+                plan: _Plan, sm_scale, sliding_window, soft_cap, kv_int8: bool = False):
     """One grid step = one (slot, row block), all KV heads: a single loop over
     t = (head, KV block) pairs, so the DMA of the next pair (the next head's first block
     included) always overlaps the current one's compute; a step pays one DMA latency
     up front, not one per KV head."""
+    if kv_int8:
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems = refs
+    else:
+        o_ref, kbuf, vbuf, sems = refs
     s, i = pl.program_id(0), pl.program_id(1)
     base = (s * plan.nrb + i) * 4
     lo, hi, kv_len = meta_ref[base], meta_ref[base + 1], meta_ref[base + 2]
@@ -351,24 +380,34 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
             idx = b * ppb + p
             page = pt_ref[s * plan.Pp + idx]
             dst = pl.ds(p * ps, ps)
-            ck = pltpu.make_async_copy(k_hbm.at[page, :, h, :], kbuf.at[slot, dst], sems.at[slot, 0])
-            cv = pltpu.make_async_copy(v_hbm.at[page, :, h, :], vbuf.at[slot, dst], sems.at[slot, 1])
-            out.append((idx * ps < kv_len, ck, cv))
+            cs = [pltpu.make_async_copy(k_hbm.at[page, :, h, :], kbuf.at[slot, dst], sems.at[slot, 0]),
+                  pltpu.make_async_copy(v_hbm.at[page, :, h, :], vbuf.at[slot, dst], sems.at[slot, 1])]
+            if kv_int8:
+                cs += [pltpu.make_async_copy(ks_hbm.at[page, :, h, :], ksbuf.at[slot, dst],
+                                             sems.at[slot, 2]),
+                       pltpu.make_async_copy(vs_hbm.at[page, :, h, :], vsbuf.at[slot, dst],
+                                             sems.at[slot, 3])]
+            out.append((idx * ps < kv_len, cs))
         return out
 
     def start(t, slot):
-        for need, ck, cv in copies(t, slot):
+        for need, cs in copies(t, slot):
             @pl.when(need)
             def _():
-                ck.start()
-                cv.start()
+                for c in cs:
+                    c.start()
 
     def wait(t, slot):
-        for need, ck, cv in copies(t, slot):
+        for need, cs in copies(t, slot):
             @pl.when(need)
             def _():
-                ck.wait()
-                cv.wait()
+                for c in cs:
+                    c.wait()
+
+    def block(buf, sbuf, slot):
+        if not kv_int8:
+            return buf[slot]
+        return buf[slot].astype(jnp.float32) * sbuf[slot]          # [blk, D] * [blk, 1]
 
     @pl.when(total > 0)
     def _():
@@ -392,7 +431,8 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
         wait(t, slot)
         first = b == lo                     # a new head starts from the empty state
         carry = tuple(jnp.where(first, a, c) for a, c in zip(init, carry))
-        carry = _block_update(carry, q_ref[h], kbuf[slot], vbuf[slot], qpos, b * plan.blk,
+        carry = _block_update(carry, q_ref[h], block(kbuf, ksbuf if kv_int8 else None, slot),
+                              block(vbuf, vsbuf if kv_int8 else None, slot), qpos, b * plan.blk,
                               kv_len, sm_scale=sm_scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
 
@@ -408,20 +448,24 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
 def _tpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale,
               sliding_window, soft_cap, interpret):
     qr, qpos, meta, pt = _part_inputs(plan, q, kv_lens, q_lens, page_table, sliding_window)
+    kv_int8 = _is_int8_pages(k_pages)
     kernel = functools.partial(_tpu_kernel, plan=plan, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, kv_int8=kv_int8)
     row_spec = pl.BlockSpec((None, plan.KVH, plan.rb, plan.D), lambda s, i, *_: (s, 0, i, 0))
+    kv = _kv_operands(k_pages, v_pages)
+    if kv_int8:       # scales as [N, ps, KVH, 1]: a page's slice DMAs like the values'
+        kv = kv[:2] + tuple(x[..., None] for x in kv[2:])
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(plan.S, plan.nrb),
         in_specs=[row_spec,
-                  pl.BlockSpec((None, plan.rb, 1), lambda s, i, *_: (s, i, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec(memory_space=pl.ANY)],
+                  pl.BlockSpec((None, plan.rb, 1), lambda s, i, *_: (s, i, 0))]
+                 + [pl.BlockSpec(memory_space=pl.ANY)] * len(kv),
         out_specs=row_spec,
         scratch_shapes=[pltpu.VMEM((2, plan.blk, plan.D), k_pages.dtype),
-                        pltpu.VMEM((2, plan.blk, plan.D), v_pages.dtype),
-                        pltpu.SemaphoreType.DMA((2, 2))])
+                        pltpu.VMEM((2, plan.blk, plan.D), v_pages.dtype)]
+                       + [pltpu.VMEM((2, plan.blk, 1), jnp.float32)] * (2 * kv_int8)
+                       + [pltpu.SemaphoreType.DMA((2, 4 if kv_int8 else 2))])
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -429,7 +473,7 @@ def _tpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="jaxinfer_ragged_paged_attention_tpu",
-    )(meta, pt, qr, qpos[:, :, None], k_pages, v_pages)
+    )(meta, pt, qr, qpos[:, :, None], *kv)
     return _rows_to_tokens(plan, out)
 
 
@@ -441,10 +485,11 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
                 pt_ref,      # i32[S * Pp] (whole array)
                 q_ref,       # [rb, D]
                 qpos_ref,    # i32[rb]
-                k_ref,       # [N, page_size, D]: KV head h of every page
+                k_ref,       # [N, page_size, D]: KV head h of every page (int8 with kv_int8)
                 v_ref,       # [N, page_size, D]
-                *out_refs,   # splits == 1: o [rb, D]; else acc f32[rb, D], m, l f32[rb]
-                plan: _Plan, sm_scale, sliding_window, soft_cap):
+                *refs,       # kv_int8: k / v scales f32[N, page_size] first; then
+                             # splits == 1: o [rb, D]; else acc f32[rb, D], m, l f32[rb]
+                plan: _Plan, sm_scale, sliding_window, soft_cap, kv_int8: bool = False):
     s = pl.program_id(0)
     sp, i = pl.program_id(2), pl.program_id(3)
     base = (s * plan.nrb + i) * 4
@@ -452,13 +497,20 @@ def _gpu_kernel(meta_ref,    # i32[S * nrb * 4] (whole array)
     if plan.splits > 1:                 # this program's share of the KV blocks
         bps = plan.split_blocks
         lo, hi = jnp.maximum(lo, sp * bps), jnp.minimum(hi, (sp + 1) * bps)
+    ks_ref, vs_ref, *out_refs = refs if kv_int8 else (None, None, *refs)
     q = q_ref[...]
     qpos = qpos_ref[...][:, None]
 
+    def load(ref, sref, pages):
+        x = ref[pages]                                                     # [ppb, ps, D]
+        if kv_int8:      # dequantize in registers: only int8 bytes + scales cross HBM
+            x = x.astype(jnp.float32) * sref[pages][:, :, None]
+        return x.reshape(plan.blk, plan.D)
+
     def body(b, carry):
         pages = pt_ref[pl.ds(s * plan.Pp + b * plan.ppb, plan.ppb)]        # [ppb]
-        kb = k_ref[pages].reshape(plan.blk, plan.D)
-        vb = v_ref[pages].reshape(plan.blk, plan.D)
+        kb = load(k_ref, ks_ref, pages)
+        vb = load(v_ref, vs_ref, pages)
         return _block_update(carry, q, kb, vb, qpos, b * plan.blk, kv_len,
                              sm_scale=sm_scale, sliding_window=sliding_window,
                              soft_cap=soft_cap)
@@ -491,12 +543,14 @@ def _combine_splits(acc, m, l, dtype):
 def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale,
               sliding_window, soft_cap, interpret):
     qr, qpos, meta, pt = _part_inputs(plan, q, kv_lens, q_lens, page_table, sliding_window)
+    kv_int8 = _is_int8_pages(k_pages)
     kernel = functools.partial(_gpu_kernel, plan=plan, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, kv_int8=kv_int8)
     N = k_pages.shape[0]
     S, KVH, ns, Rp, D = plan.S, plan.KVH, plan.splits, plan.rows, plan.D
     row_spec = pl.BlockSpec((None, None, plan.rb, D), lambda s, h, sp, i: (s, h, i, 0))
     head_spec = pl.BlockSpec((N, plan.ps, None, D), lambda s, h, sp, i: (0, 0, h, 0))
+    scale_spec = pl.BlockSpec((N, plan.ps, None), lambda s, h, sp, i: (0, 0, h))
     if ns == 1:
         out_specs = row_spec
         out_shape = jax.ShapeDtypeStruct(qr.shape, q.dtype)
@@ -513,14 +567,14 @@ def _gpu_part(plan: _Plan, q, k_pages, v_pages, kv_lens, q_lens, page_table, *, 
         grid=(S, KVH, ns, plan.nrb),
         in_specs=[pl.no_block_spec, pl.no_block_spec, row_spec,
                   pl.BlockSpec((None, plan.rb), lambda s, h, sp, i: (s, i)),
-                  head_spec, head_spec],
+                  head_spec, head_spec] + [scale_spec] * (2 * kv_int8),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4 if plan.rb <= 64 else 8,
                                                 num_stages=2),
         interpret=interpret,
         name="jaxinfer_ragged_paged_attention_gpu",
-    )(meta, pt, qr, qpos, k_pages, v_pages)
+    )(meta, pt, qr, qpos, *_kv_operands(k_pages, v_pages))
     if ns > 1:
         out = _combine_splits(*out, q.dtype)
     return _rows_to_tokens(plan, out)

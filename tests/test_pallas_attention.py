@@ -241,3 +241,57 @@ def test_gpu_kernel_rejects_non_power_of_two_page_size():
     args = _shapes(ps=12)
     with pytest.raises(ValueError, match="page_size"):
         ragged_paged_attention_gpu(*args, num_decode=3, prefill_chunk=4, sm_scale=1.0)
+
+
+# ---- int8 KV pages (kv_cache_dtype="int8"): the kernels dequantize in VMEM / registers ----
+
+def make_int8_inputs(case: Case, seed: int = 0):
+    """make_inputs with K/V quantized per token and KV head (kv_cache.quantize_kv); the
+    scales of unused pages and page tails are NaN, so an unmasked read fails loudly."""
+    from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv
+
+    q, k, v, kvl, ql, pt = make_inputs(case, seed)
+
+    def quant(x):
+        x = np.asarray(x, np.float32)
+        dead = np.isnan(x).any(-1)                                     # [N, ps, KVH]
+        N, ps, KVH, D = x.shape
+        qv, sc = quantize_kv(jnp.asarray(np.nan_to_num(x).reshape(N * ps, KVH, D)))
+        sc = np.where(dead, np.nan, np.asarray(sc).reshape(N, ps, KVH)).astype(np.float32)
+        return QuantizedPages(jnp.asarray(qv).reshape(N, ps, KVH, D), jnp.asarray(sc))
+
+    return q.astype(jnp.float32), quant(k), quant(v), kvl, ql, pt
+
+
+INT8_CASES = [dataclasses.replace(CASES[0], dtype=jnp.float32),
+              dataclasses.replace(CASES[3], dtype=jnp.float32)]
+
+
+@pytest.mark.parametrize("fn,interpret", [(ragged_paged_attention_tpu, pltpu.InterpretParams()),
+                                          (ragged_paged_attention_gpu, True)], ids=["tpu", "gpu"])
+@pytest.mark.parametrize("case", INT8_CASES, ids=[c.name for c in INT8_CASES])
+def test_int8_kv_pages_match_reference(fn, interpret, case):
+    args = make_int8_inputs(case)
+    kw = static_kwargs(case)
+    ref = np.asarray(reference_on_step_layout(*args, **kw))
+    if fn is ragged_paged_attention_gpu:
+        kw["kv_split_blocks"] = case.kv_split_blocks
+    out = np.asarray(fn(*args, **kw, interpret=interpret, kv_block=case.kv_block,
+                        rows_per_block=case.rows_per_block))
+    assert not np.isnan(out).any(), "NaN leaked from an unused page's scale"
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn,platform", [(ragged_paged_attention_tpu, "tpu"),
+                                         (ragged_paged_attention_gpu, "cuda")])
+def test_int8_kv_lowers_for_the_accelerator(fn, platform):
+    from jaxinfer.engine.kv_cache import QuantizedPages
+
+    S, nd, chunk, P, N = 4, 2, 32, 8, 64
+    q = jax.ShapeDtypeStruct((nd + (S - nd) * chunk, 9, 64), jnp.bfloat16)
+    kv = QuantizedPages(jax.ShapeDtypeStruct((N, 16, 3, 64), jnp.int8),
+                        jax.ShapeDtypeStruct((N, 16, 3), jnp.float32))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)   # noqa: E731
+    extra = {"kv_split_blocks": 2} if fn is ragged_paged_attention_gpu else {}
+    fn.trace(q, kv, kv, i32(S), i32(S), i32(S, P), num_decode=nd, prefill_chunk=chunk,
+             sm_scale=0.125, kv_block=16, **extra).lower(lowering_platforms=(platform,))

@@ -158,6 +158,7 @@ def test_kv_cache_dtype_errors():
 
     with pytest.raises(ValueError, match="kv_cache_dtype: must be None"):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="Pallas kernels do not read int8 KV pages"):
-        dispatch.select("pallas", "gpu", kv_quantized=True)
-    assert dispatch.select("auto", "gpu", kv_quantized=True)[0] == "xla"
+    # the Pallas kernels read int8 pages too (tests/test_pallas_attention.py): auto keeps them
+    assert dispatch.select("auto", "gpu", kv_quantized=True)[0] == "pallas-gpu"
+    assert dispatch.select("auto", "tpu", kv_quantized=True)[0] == "pallas-tpu"
+    assert dispatch.select("auto", "cpu", kv_quantized=True)[0] == "xla"

@@ -25,16 +25,13 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = False
            ) -> tuple[str, Callable]:
     """Returns (the implementation's name, the function) for ``backend`` (default: JAX's).
-    int8 KV pages (``kv_quantized``) are read by the XLA path only, for now."""
+    Every implementation reads float and int8 KV pages (``kv_quantized`` is logged)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {name!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
     backend = backend or jax.default_backend()
-    if name == "pallas" and kv_quantized:
-        raise ValueError("attention: the Pallas kernels do not read int8 KV pages yet; use "
-                         "'xla' or 'auto' with kv_cache_dtype='int8'")
     if name == "auto":
-        name = "pallas" if backend in ("tpu", "gpu") and not kv_quantized else "xla"
+        name = "pallas" if backend in ("tpu", "gpu") else "xla"
     if name == "xla":
         from jaxinfer.attention.xla import ragged_paged_attention as fn
     elif backend == "tpu":
@@ -45,7 +42,8 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
         raise ValueError(f"attention: 'pallas' needs a TPU or GPU backend, this one is {backend!r} "
                          "(use 'xla' or 'auto')")
     chosen = f"{name}-{backend}" if name == "pallas" else name
-    log.info("attention: %s on backend %s", chosen, backend)
+    log.info("attention: %s on backend %s%s", chosen, backend,
+             ", int8 KV pages" if kv_quantized else "")
     return chosen, fn
 
 

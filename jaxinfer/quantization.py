@@ -5,7 +5,7 @@ Every matmul weight of the model (q/k/v/o, gate/up/down, the LM head) becomes a
 channel, or int4 packed two per byte with one scale per group of rows along K. The
 embedding table stays in the model dtype (it is gathered, not multiplied). The model's
 ``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU int8 goes
-to the C++ kernel (pallas_kernels/cpu_matmul.py; weights packed in its 64-column panels
+to the C++ kernel (pallas_kernels/cpu_matmul.py; weights packed in its panels
 here) and int4 to XLA (dequantize, then the dot; see layers.matmul).
 
 Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout

@@ -1,13 +1,15 @@
 """The CPU int8 weight-only matmul: a C++ kernel (cpu/int8_matmul.cc) called through jax.ffi.
 
 XLA:CPU converts int8 weights to f32 in memory before its dot, so int8 weights streamed no
-fewer bytes than f32 ones (RESULTS.md, "Quantized matmul on CPU"). The kernel converts in
-registers and reads only the int8 bytes; every output is one k-ordered f32 FMA chain, so
-it is bitwise batch-invariant by construction (see the .cc header) and serves both the
-plain and the batch-invariant engine.
+fewer bytes than f32 ones (RESULTS.md, "Quantized matmul on CPU"). The kernel reads only
+the int8 bytes: on packed weights it multiplies them with int16-quantized activations
+(per row and block of 64) in exact int32 block sums, on plain ones it converts to f32 in
+registers. Either way an output depends on its own row only and is summed in one fixed
+order, so it is bitwise batch-invariant by construction (see the .cc header) and serves
+both the plain and the batch-invariant engine.
 
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, default
-``g++``; ``-O3 -march=native``) against the XLA FFI headers that jaxlib ships, and cached
+``g++``; ``-O3 -march=native``; x86-64 with AVX2 and FMA) against the XLA FFI headers that jaxlib ships, and cached
 under ``$JAXINFER_KERNEL_CACHE`` (default ``~/.cache/jaxinfer/kernels``) by a hash of the
 source, the jaxlib version, the compiler and the CPU's flags. Without a compiler,
 ``available()`` is False with the reason in ``unavailable_reason()`` and the engine keeps
@@ -36,7 +38,8 @@ log = logging.getLogger("jaxinfer")
 
 TARGET = "jaxinfer_int8_matmul"
 SOURCE = Path(__file__).with_name("cpu") / "int8_matmul.cc"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+# -mno-avx512f: the kernel's one code path is AVX2 + FMA (tested), even on AVX-512 hosts.
+FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-std=c++17", "-shared", "-fPIC")
 
 _state: dict[str, object] = {}
 
@@ -105,18 +108,21 @@ def unavailable_reason() -> str | None:
     return None if available() else str(_state["reason"])
 
 
-PANEL = 64   # columns per panel: one cache line of int8 per row of K
+PANEL = 32   # columns per panel of the packed layout
+BLOCK = 64   # K per activation scale in the packed path (K must be a multiple)
 
 
 def pack(w: QuantizedWeight) -> QuantizedWeight:
-    """An int8 weight in the kernel's panel layout, q int8 [N/64, K, 64] (weights whose N
-    is not a multiple of 64 stay plain: the kernel reads both, plain ones slower)."""
+    """An int8 weight in the kernel's packed layout, q int8 [N/32, K/2, 32, 2]: panels of
+    32 columns, rows in adjacent pairs (the packed path: int16 activations, exact int32
+    block sums; see cpu/int8_matmul.cc). Weights with K % 64 or N % 32 stay plain [K, N]
+    (the kernel's f32 path)."""
     if w.bits != 8:
         raise ValueError(f"pack: the CPU kernel takes int8 weights, got {w.bits}-bit")
     K, N = w.shape
-    if w.panel or N % PANEL:
+    if w.panel or K % BLOCK or N % PANEL:
         return w
-    q = w.q.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2)
+    q = w.q.reshape(K // 2, 2, N // PANEL, PANEL).transpose(2, 0, 3, 1)
     return QuantizedWeight(q, w.scales, 8, 0, PANEL)
 
 
@@ -129,7 +135,6 @@ def int8_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     K, N = w.shape
     if x.ndim != 2 or x.shape[1] != K:
         raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
-    q = w.q if w.panel else w.q.reshape(1, K, N)          # [N/P, K, P]
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
-        x.astype(jnp.float32), q, w.scales.astype(jnp.float32))
+        x.astype(jnp.float32), w.q, w.scales.astype(jnp.float32))
     return y.astype(x.dtype)

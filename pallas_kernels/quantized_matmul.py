@@ -27,8 +27,8 @@ Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumul
   hoists every layer's conversion to the start and keeps all the f32 copies live (9x
   slower step).
 * ``pallas_kernels.cpu_matmul.int8_matmul`` — what the engine uses for int8 on CPU: a C++
-  kernel through jax.ffi that converts in registers (reads only the int8 bytes) on weights
-  packed in 64-column panels (``panel=64``); bitwise batch-invariant by construction.
+  kernel through jax.ffi that reads only the int8 bytes (packed weights, ``panel=32``:
+  int16 activations and exact int32 block sums); bitwise batch-invariant by construction.
   This XLA path remains for int4 and for hosts without a C++ compiler.
 * ``quantized_matmul_tpu`` / ``quantized_matmul_gpu`` — one Pallas kernel body, lowered by
   Mosaic (TPU) or Triton (GPU): the grid walks (row block, column block); each step loads
@@ -73,8 +73,8 @@ _INT4_MAX = 7
 class QuantizedWeight:
     """A quantized [K, N] weight. bits 8: q int8 [K, N], scales f32 [N] (group 0).
     bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N].
-    ``panel`` 64 (int8 only, the CPU kernel's layout, cpu_matmul.pack): q is int8
-    [N/64, K, 64], column panels with their rows consecutive; 0 = the plain layouts."""
+    ``panel`` 32 (int8 only, the CPU kernel's layout, cpu_matmul.pack): q is int8
+    [N/32, K/2, 32, 2], column panels with rows in adjacent pairs; 0 = the plain layouts."""
 
     q: jax.Array
     scales: jax.Array
@@ -85,8 +85,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         if self.panel:
-            n_panels, k, p = self.q.shape
-            return (k, n_panels * p)
+            n_panels, half_k, p, _ = self.q.shape
+            return (2 * half_k, n_panels * p)
         rows, n = self.q.shape
         return (rows * 2 if self.bits == 4 else rows, n)
 
@@ -95,7 +95,7 @@ class QuantizedWeight:
         if not self.panel:
             return self.q
         K, N = self.shape
-        return self.q.transpose(1, 0, 2).reshape(K, N)
+        return self.q.transpose(1, 3, 0, 2).reshape(K, N)
 
     def __getitem__(self, key: Any) -> "QuantizedWeight":
         """``param[...]`` (how a model reads its weights) returns the weight itself."""

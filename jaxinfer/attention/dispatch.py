@@ -85,7 +85,7 @@ def select_matmul(batch_invariant: bool, backend: str | None = None,
 
 def pack_for_backend(w, backend: str | None = None):
     """A freshly quantized weight in the layout its backend's kernel reads fastest (the
-    CPU kernel's 64-column panels for int8 on CPU; otherwise unchanged)."""
+    CPU kernel's packed panels for int8 on CPU; otherwise unchanged)."""
     backend = backend or jax.default_backend()
     if backend in ("tpu", "gpu") or w.bits != 8:
         return w

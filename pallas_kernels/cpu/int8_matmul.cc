@@ -1,40 +1,50 @@
 // Weight-only int8 matmul for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_matmul.py).
 //
-//   y[m, n] = scale[n] * sum_k x[m, k] * q[k, n]      x f32 [M, K], q int8 [K, N], scale f32 [N]
+//   y[m, n] = scale[n] * sum_k x[m, k] * q[k, n]      x f32 [M, K], q int8, scale f32 [N]
 //
 // Why it exists: XLA:CPU converts int8 weights to f32 in memory before its dot, so int8
-// weights stream no fewer bytes than f32 ones. Here the int8 bytes are converted in
-// registers, so batch-1 decode reads a quarter of the bytes.
+// weights stream no fewer bytes than f32 ones. Here only the int8 bytes are read.
 //
-// Batch invariance, by construction: every output is ONE f32 accumulator that takes
-// acc = fma(x[m, k], q[k, n], acc) for k = 0, 1, ..., K-1 in that order, then one multiply
-// by scale[n]. Which loop order, tile or thread computes it changes nothing, so a row's
-// result has the same bits whatever M is or whichever other rows share the call.
+// Two weight layouts, told apart by q's rank:
 //
-// Layout: q may be packed in panels of 64 columns, [N/64, K, 64] (cpu_matmul.pack), so
-// that a column tile's rows are consecutive bytes. Unpacked, a tile of the LM head
-// ([576, 49152]) reads one line per page and ran at 6-8 GB/s instead of 17 (measured).
+//  * packed, q int8 [N/32, K/2, 32, 2] (cpu_matmul.pack; K % 64 == 0, N % 32 == 0): column
+//    panels of 32 whose rows come in pairs, (q[2j, n], q[2j+1, n]) adjacent. x is
+//    quantized per row and per block of 64 along K to int16 (scale max|x| / 32767), each
+//    block's dot is summed exactly in int32 (vpmaddwd: int8 weights widened to int16 times
+//    a pair of int16 activations), then y += float(block sum) * x_scale in block order.
+//    Half the instructions per weight of converting to f32, which is what bounds a decode
+//    step here (measured: the f32 form streamed ~16 GB/s where 2 cores read 29 GB/s).
+//    The int16 activations cost ~1.5e-5 of each block's max: next to int8 weights' error,
+//    nothing (benchmarks/quant_quality.py measures the end result).
+//  * plain, q int8 [K, N] (any shape): int8 -> f32 in registers and one f32 FMA chain per
+//    output, k in order.
 //
-// Two tile shapes, picked by M (both keep the order above):
-//  * M <= kWideRows (decode): 64 columns (one cache line of int8 per k) x 1 row, rows in
-//    turn: memory-bound, reads the weight once per call.
-//  * larger M (prefill): register tiles of kTileRows rows x kTileVecs vectors, k
-//    innermost, so each converted weight vector serves several rows.
-// Work is split in units (column chunks, or (column tile, row block) pairs) that the
-// caller and XLA's intra-op thread pool claim from one atomic counter: no thread waits for
-// a task that has not started, so concurrent calls cannot deadlock the pool.
+// Batch invariance, by construction, both layouts: an output depends only on its own row
+// of x (the activation scales are per row) and is computed in one fixed order (exact
+// integer block sums, then blocks in order; or the k-ordered FMA chain), whatever M is,
+// whichever rows share the call, and whichever tile or thread computes it.
+//
+// Work is cut in units (column tile x row block) that the caller and XLA's intra-op
+// thread pool claim from one atomic counter: no thread waits for a task that has not
+// started, so concurrent calls cannot deadlock the pool.
+//
+// x86-64 with AVX2 and FMA only (the build passes -mno-avx512f: one tested code path on
+// every such CPU); elsewhere the build fails and the engine keeps XLA's path.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the CPU int8 kernel needs x86-64 with AVX2 and FMA"
 #endif
+#include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -42,155 +52,178 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;   // AVX2 / NEON-sized vectors: 16 registers, so smaller tiles
-#endif
-typedef float fvec __attribute__((vector_size(kLanes * 4)));
-typedef int8_t bvec __attribute__((vector_size(kLanes)));
-
-// Tuning knobs (benchmarks/kernels.py --cpu-int8 rebuilds with -D to compare).
-#ifndef JAXINFER_WIDE_ROWS
-#define JAXINFER_WIDE_ROWS 3
-#endif
+// Tuning knobs (a benchmark may rebuild with -D to compare).
 #ifndef JAXINFER_INLINE_MACS
 #define JAXINFER_INLINE_MACS (1 << 15)
 #endif
-constexpr int kWideRows = JAXINFER_WIDE_ROWS;
 constexpr int64_t kInlineMacs = JAXINFER_INLINE_MACS;   // below: no helper thread
-constexpr int kTileVecs = (kLanes == 16) ? 4 : 2;   // C: vectors per register tile
-constexpr int kTileRows = (kLanes == 16) ? 6 : 4;   // R: rows per register tile
-constexpr int kWideVecs = 64 / kLanes;   // a cache line of int8 per k: the M <= 3 tile
-constexpr int kPrefetch = 16;   // rows ahead (helps unpacked weights only)
+constexpr int kBlock = 64;        // packed: K per activation scale (int32 sums cannot overflow:
+                                  // 32 pairs x 2 x 32767 x 127 < 2^31)
+constexpr int kPanel = 32;        // packed: columns per panel (64 bytes per row pair)
+constexpr int kPackedRows = 3;    // packed: rows per register tile (12 int32 accumulators)
+constexpr int kWideRows = 3;      // plain: M up to this uses the 1-row, 64-column tile
+constexpr int kTileVecs = 2;      // plain, larger M: 4 rows x 16 columns
+constexpr int kTileRows = 4;
 
-// int8 -> f32 in registers. Intrinsics where we know the ISA: GCC 12 scalarizes a
-// __builtin_convertvector from int8 lanes (measured 1.2 GB/s instead of memory speed).
-inline fvec load_q(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  bvec b;
-  std::memcpy(&b, p, sizeof(b));
-  typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
-  return __builtin_convertvector(__builtin_convertvector(b, ivec), fvec);
-#endif
-}
+// ---------------------------------------------------------------------------------------
+// Packed layout, int16 activations
+// ---------------------------------------------------------------------------------------
 
-inline fvec splat(float v) { return fvec{} + v; }
-
-// One FMA with a single rounding, the same instruction for vectors and scalars (the
-// build uses -ffp-contract=fast and an FMA-capable -march; the test checks bitwise
-// invariance, which would catch a mixture).
-inline fvec fma_v(fvec a, fvec b, fvec c) { return a * b + c; }
-
-struct Problem {
-  const float* x;      // [M, K]
-  const int8_t* q;     // [N / P, K, P]: panels of P columns (P = N: the plain [K, N])
+struct Packed {
+  const int16_t* xq;   // [M, K] int16
+  const float* xs;     // [M, K / kBlock] activation scales
+  const int8_t* q;     // [N/32, K/2, 32, 2]
   const float* scale;  // [N]
   float* y;            // [M, N]
-  int64_t M, K, N, P;
-  int64_t nvec;        // columns handled by vectors: N rounded down to kLanes
-
-  // Weight (k = 0, n0): rows of a panel are P bytes apart. Tiles never straddle panels
-  // (P is N or a multiple of 64, the widest tile).
-  const int8_t* col(int64_t n0) const { return q + (n0 / P) * K * P + n0 % P; }
+  int64_t M, K, N;
 };
 
-// Scalar tail columns [nvec, N) for rows [m0, m1): the same k-ordered fma chain.
-void tail_columns(const Problem& p, int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; ++m)
+// Rows [m0, m0 + R) x the 32 columns of panel `panel`.
+template <int R>
+void packed_tile(const Packed& p, int64_t m0, int64_t panel) {
+  const int64_t nb = p.K / kBlock;
+  const int8_t* w = p.q + panel * (p.K / 2) * (kPanel * 2);
+  __m256 facc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) facc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+    const int8_t* wb = w + b * (kBlock / 2) * (kPanel * 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      const int8_t* wj = wb + j * (kPanel * 2);          // 64 bytes: 32 columns x (k, k+1)
+      __m256i xb[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, p.xq + (m0 + r) * p.K + b * kBlock + 2 * j, 4);
+        xb[r] = _mm256_set1_epi32(pair);
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i wc =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16 * c)));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wc, xb[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(p.xs[(m0 + r) * nb + b]);
+      for (int c = 0; c < 4; ++c)
+        facc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), s, facc[r][c]);
+    }
+  }
+  const int64_t n0 = panel * kPanel;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_ps(p.y + (m0 + r) * p.N + n0 + 8 * c,
+                       _mm256_mul_ps(facc[r][c], _mm256_loadu_ps(p.scale + n0 + 8 * c)));
+}
+
+void packed_rows(const Packed& p, int64_t m0, int64_t rows, int64_t panel) {
+  switch (rows) {
+    case 1: return packed_tile<1>(p, m0, panel);
+    case 2: return packed_tile<2>(p, m0, panel);
+    default: return packed_tile<3>(p, m0, panel);
+  }
+}
+
+// x row m, block b -> int16 values and one f32 scale (max|x| / 32767; 0 for a zero block).
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs) {
+  const int64_t nb = K / kBlock;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float s = amax / 32767.f;
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      xs[m * nb + b] = s;
+      for (int i = 0; i < kBlock; ++i)
+        xq[m * K + b * kBlock + i] = static_cast<int16_t>(std::lrintf(xb[i] * inv));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Plain layout, f32 activations
+// ---------------------------------------------------------------------------------------
+
+struct Plain {
+  const float* x;      // [M, K]
+  const int8_t* q;     // [K, N]
+  const float* scale;  // [N]
+  float* y;            // [M, N]
+  int64_t M, K, N;
+  int64_t nvec;        // columns done with vectors: N rounded down to 8
+};
+
+inline __m256 load_q8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Rows [m0, m0 + R) x columns [n0, n0 + 8C).
+template <int R, int C>
+void plain_tile(const Plain& p, int64_t m0, int64_t n0) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  const int8_t* q = p.q + n0;
+  for (int64_t k = 0; k < p.K; ++k) {
+    // Every row of a tile is a new page for a wide weight: prefetch 16 rows ahead.
+    __builtin_prefetch(q + (k + 16) * p.N);
+    if constexpr (R == 1) {
+      // Convert and use each vector at once: C accumulators + 2 fit the 16 registers.
+      const __m256 xb = _mm256_set1_ps(x[k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[0][c] = _mm256_fmadd_ps(xb, load_q8(q + k * p.N + 8 * c), acc[0][c]);
+    } else {
+      __m256 w[C];
+      for (int c = 0; c < C; ++c) w[c] = load_q8(q + k * p.N + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_set1_ps(x[r * p.K + k]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xb, w[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(p.y + (m0 + r) * p.N + n0 + 8 * c,
+                       _mm256_mul_ps(acc[r][c], _mm256_loadu_ps(p.scale + n0 + 8 * c)));
+}
+
+template <int R, int CMax = 8>
+void plain_cols(const Plain& p, int64_t m0, int64_t n0, int64_t cvecs) {
+  if (cvecs == CMax) return plain_tile<R, CMax>(p, m0, n0);
+  if constexpr (CMax > 1) plain_cols<R, CMax - 1>(p, m0, n0, cvecs);
+}
+
+template <int RMax = kTileRows>
+void plain_rows(const Plain& p, int64_t m0, int64_t rows, int64_t n0, int64_t cvecs) {
+  if (rows == RMax) return plain_cols<RMax, kTileVecs>(p, m0, n0, cvecs);
+  if constexpr (RMax > 1) plain_rows<RMax - 1>(p, m0, rows, n0, cvecs);
+}
+
+// Scalar tail columns [nvec, N): the same k-ordered fma chain.
+void plain_tail(const Plain& p) {
+  for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = p.nvec; n < p.N; ++n) {
       float acc = 0.f;
       for (int64_t k = 0; k < p.K; ++k)
-        acc = std::fma(p.x[m * p.K + k], static_cast<float>(p.col(n)[k * p.P]), acc);
+        acc = std::fma(p.x[m * p.K + k], static_cast<float>(p.q[k * p.N + n]), acc);
       p.y[m * p.N + n] = acc * p.scale[n];
     }
 }
 
-// Register tile: rows [m0, m0 + R), vector columns [n0, n0 + C * kLanes).
-template <int R, int C>
-void tile(const Problem& p, int64_t m0, int64_t n0) {
-  fvec acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = fvec{};
-  const float* x = p.x + m0 * p.K;
-  const int8_t* q = p.col(n0);
-  const int64_t stride = p.P;
-  for (int64_t k = 0; k < p.K; ++k) {
-    // Unpacked wide weights put every row of a tile on a new page, where the hardware
-    // prefetchers stop: ask for the line kPrefetch rows ahead.
-    __builtin_prefetch(q + (k + kPrefetch) * stride);
-    if constexpr (R == 1) {
-      // One row: convert and use each vector at once, so the C accumulators, x and one
-      // temporary fit the 16 AVX2 registers (loading all C first spilled an accumulator:
-      // a store-to-load round trip on its chain every k).
-      const fvec xb = splat(x[k]);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[0][c] = fma_v(xb, load_q(q + k * stride + c * kLanes), acc[0][c]);
-    } else {
-      fvec w[C];
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) w[c] = load_q(q + k * stride + c * kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const fvec xb = splat(x[r * p.K + k]);
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[r][c] = fma_v(xb, w[c], acc[r][c]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      fvec s;
-      std::memcpy(&s, p.scale + n0 + c * kLanes, sizeof(s));
-      const fvec out = acc[r][c] * s;
-      std::memcpy(p.y + (m0 + r) * p.N + n0 + c * kLanes, &out, sizeof(out));
-    }
-}
+// ---------------------------------------------------------------------------------------
+// Work sharing
+// ---------------------------------------------------------------------------------------
 
-// tile<R, C> for a runtime C in 1..CMax (the last, narrower column tile of a weight).
-template <int R, int CMax = kWideVecs>
-void tile_cols(const Problem& p, int64_t m0, int64_t n0, int64_t cvecs) {
-  if (cvecs == CMax) return tile<R, CMax>(p, m0, n0);
-  if constexpr (CMax > 1) tile_cols<R, CMax - 1>(p, m0, n0, cvecs);
-}
-
-template <int RMax = kTileRows>
-void tile_any(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cvecs) {
-  if (rows == RMax) return tile_cols<RMax, kTileVecs>(p, m0, n0, cvecs);
-  if constexpr (RMax > 1) tile_any<RMax - 1>(p, m0, rows, n0, cvecs);
-}
-
-// The work of one call as units 0..units-1; run(u) does unit u.
 struct Work {
-  Problem p;
-  bool wide;
-  int64_t units, col_units, row_units;
+  std::function<void(int64_t)> run;
+  int64_t units = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-
-  void run(int64_t u) {
-    if (wide) {
-      // One cache line of weights per k for each row in turn (rows <= kWideRows).
-      const int64_t n0 = u * kWideVecs * kLanes;
-      const int64_t cvecs = std::min<int64_t>(kWideVecs, (p.nvec - n0) / kLanes);
-      for (int64_t m = 0; m < p.M; ++m) tile_cols<1>(p, m, n0, cvecs);
-      return;
-    }
-    // Row blocks vary fastest, so threads share a column tile's weights in cache.
-    const int64_t cu = u / row_units, ru = u % row_units;
-    const int64_t n0 = cu * kTileVecs * kLanes;
-    const int64_t m0 = ru * kTileRows;
-    tile_any(p, m0, std::min<int64_t>(kTileRows, p.M - m0), n0,
-             std::min<int64_t>(kTileVecs, (p.nvec - n0) / kLanes));
-  }
 
   void drain() {
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
@@ -200,40 +233,73 @@ struct Work {
   }
 };
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), qd = q.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || scale.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument(
-        "int8_matmul: expected x [M, K], q [N/P, K, P], scale [N]");
-  const int64_t M = xd[0], K = xd[1], P = qd[2], N = qd[0] * qd[2];
-  if (qd[1] != K || scale.dimensions()[0] != N || (qd[0] > 1 && P % 64))
-    return ffi::Error::InvalidArgument("int8_matmul: shapes of x, q and scale disagree");
-
-  auto work = std::make_shared<Work>();
-  Problem& p = work->p;
-  p = Problem{x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(),
-              M, K, N, P, N / kLanes * kLanes};
-  if (M == 0) return ffi::Error::Success();
-  work->wide = M <= kWideRows;
-  if (work->wide) {
-    work->units = (p.nvec + kWideVecs * kLanes - 1) / (kWideVecs * kLanes);
-  } else {
-    work->row_units = (M + kTileRows - 1) / kTileRows;
-    work->col_units = (p.nvec + kTileVecs * kLanes - 1) / (kTileVecs * kLanes);
-    work->units = work->row_units * work->col_units;
-  }
-
-  // Small products run on the caller alone: a helper costs a few microseconds to wake.
-  const int64_t macs = M * K * N;
+// Runs work->run(0 .. units-1) on the caller and up to num_threads - 1 pool threads.
+// (An own helper thread that spins between calls measured no faster: the per-call cost
+// is not the wake-up.)
+void share(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs) {
+  // Small products run on the caller alone: a helper costs microseconds to wake.
   int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
   helpers = std::min(helpers, work->units - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
-  tail_columns(p, 0, M);
-  // Every unit was claimed; wait only for units a running helper claimed.
+  // Every unit is claimed now; wait only for units a running helper claimed.
   while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions();
+  if (q.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("int8_matmul: q must be int8");
+  if (xd.size() != 2 || (qd.size() != 2 && qd.size() != 4) || scale.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "int8_matmul: expected x [M, K], q [K, N] or [N/32, K/2, 32, 2], scale [N]");
+  const int64_t M = xd[0], K = xd[1];
+  const bool packed = qd.size() == 4;
+  const int64_t N = packed ? qd[0] * kPanel : qd[1];
+  const bool ok = packed ? (qd[1] * 2 == K && qd[2] == kPanel && qd[3] == 2 && K % kBlock == 0)
+                         : qd[0] == K;
+  if (!ok || scale.dimensions()[0] != N)
+    return ffi::Error::InvalidArgument("int8_matmul: shapes of x, q and scale disagree");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int8_t* qp = reinterpret_cast<const int8_t*>(q.untyped_data());
+  auto work = std::make_shared<Work>();
+
+  if (packed) {
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xs(M * (K / kBlock));
+    quantize_rows(x.typed_data(), M, K, xq.data(), xs.data());
+    const Packed p{xq.data(), xs.data(), qp, scale.typed_data(), y->typed_data(), M, K, N};
+    const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;
+    work->units = row_units * (N / kPanel);
+    // Row blocks vary fastest: consecutive units share a panel's weights in cache.
+    work->run = [p, row_units](int64_t u) {
+      const int64_t m0 = (u % row_units) * kPackedRows;
+      packed_rows(p, m0, std::min<int64_t>(kPackedRows, p.M - m0), u / row_units);
+    };
+    share(pool, work, M * K * N);
+    return ffi::Error::Success();
+  }
+
+  const Plain p{x.typed_data(), qp, scale.typed_data(), y->typed_data(), M, K, N, N / 8 * 8};
+  if (M <= kWideRows) {           // 64-column tiles, one row at a time
+    work->units = (p.nvec + 63) / 64;
+    work->run = [p](int64_t u) {
+      const int64_t n0 = u * 64, cvecs = std::min<int64_t>(8, (p.nvec - n0) / 8);
+      for (int64_t m = 0; m < p.M; ++m) plain_cols<1>(p, m, n0, cvecs);
+    };
+  } else {
+    const int64_t row_units = (M + kTileRows - 1) / kTileRows;
+    work->units = row_units * ((p.nvec + 8 * kTileVecs - 1) / (8 * kTileVecs));
+    work->run = [p, row_units](int64_t u) {
+      const int64_t n0 = (u / row_units) * 8 * kTileVecs, m0 = (u % row_units) * kTileRows;
+      plain_rows(p, m0, std::min<int64_t>(kTileRows, p.M - m0), n0,
+                 std::min<int64_t>(kTileVecs, (p.nvec - n0) / 8));
+    };
+  }
+  share(pool, work, M * K * N);
+  plain_tail(p);
   return ffi::Error::Success();
 }
 
@@ -243,6 +309,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -48,12 +48,9 @@ def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int, kv_int8: b
     graphdef, state = nnx.split(model)
     key = (graphdef, jax.tree.structure(state), Lp, count, kv_int8)
     if key not in _COMPILED:
-        from jaxinfer.quantization import is_quantized
-        options = None
-        if is_quantized(model) and jax.default_backend() == "cpu":
-            from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS as options
+        from jaxinfer.quantization import cpu_compiler_options
         fn = jax.jit(functools.partial(_tail_logits, graphdef, count=count, kv_int8=kv_int8))
-        _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(options and dict(options))
+        _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(cpu_compiler_options(model))
     return np.asarray(_COMPILED[key](state, padded, np.int32(n)))
 
 

@@ -68,6 +68,25 @@ def is_quantized(model: nnx.Module) -> bool:
     return hasattr(model.lm_head.get_value(), "scales")
 
 
+def cpu_compiler_options(model: nnx.Module) -> dict | None:
+    """Compile options a jitted step over ``model`` needs on this backend: XLA:CPU's
+    quantized path (int4; int8 without the C++ kernel) needs the memory-optimized
+    scheduler (pallas_kernels/quantized_matmul.py); float and kernel-served int8 models
+    keep XLA's default scheduling."""
+    import jax
+
+    if not is_quantized(model) or jax.default_backend() != "cpu":
+        return None
+    from pallas_kernels import cpu_matmul
+    from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS, QuantizedWeight
+
+    ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
+          if isinstance(x, QuantizedWeight)]
+    if all(w.bits == 8 for w in ws) and cpu_matmul.available():
+        return None
+    return dict(XLA_CPU_COMPILER_OPTIONS)
+
+
 def weight_bytes(model: nnx.Module) -> int:
     """Bytes of every parameter array (quantized values and scales included)."""
     import jax

@@ -145,11 +145,7 @@ class ModelRunner:
             kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
         mm = dispatch.select_matmul(batch_invariant, quantized=quantization.is_quantized(model))
-        # XLA:CPU's quantized path needs the memory-optimized scheduler (quantized_matmul.py)
-        self.compiler_options = None
-        if quantization.is_quantized(model) and jax.default_backend() == "cpu":
-            from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS
-            self.compiler_options = dict(XLA_CPU_COMPILER_OPTIONS)
+        self.compiler_options = quantization.cpu_compiler_options(model)
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, self.state_def,
                                                   attention=attn_impl,
                                                   mm=mm, mesh=mesh,

@@ -359,6 +359,7 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems = refs
     else:
         o_ref, kbuf, vbuf, sems = refs
+        ks_hbm = vs_hbm = ksbuf = vsbuf = None
     s, i = pl.program_id(0), pl.program_id(1)
     base = (s * plan.nrb + i) * 4
     lo, hi, kv_len = meta_ref[base], meta_ref[base + 1], meta_ref[base + 2]
@@ -431,8 +432,8 @@ def _tpu_kernel(meta_ref,    # SMEM i32[S * nrb * 4]: lo, hi, kv_len, 0 per (slo
         wait(t, slot)
         first = b == lo                     # a new head starts from the empty state
         carry = tuple(jnp.where(first, a, c) for a, c in zip(init, carry))
-        carry = _block_update(carry, q_ref[h], block(kbuf, ksbuf if kv_int8 else None, slot),
-                              block(vbuf, vsbuf if kv_int8 else None, slot), qpos, b * plan.blk,
+        carry = _block_update(carry, q_ref[h], block(kbuf, ksbuf, slot), block(vbuf, vsbuf, slot),
+                              qpos, b * plan.blk,
                               kv_len, sm_scale=sm_scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
 

@@ -16,9 +16,10 @@ from pallas_kernels import cpu_matmul as C
 from pallas_kernels.quantized_matmul import (QuantizedWeight, quantize,
                                              quantized_matmul_reference, quantized_matmul_xla)
 
-if shutil.which(os.environ.get("CXX", "g++")) is None:    # the engine falls back to XLA then
-    pytest.skip("no C++ compiler: the CPU int8 kernel cannot be built here",
-                allow_module_level=True)
+# Tests that run the kernel need it built; without a compiler the engine falls back to
+# XLA (test_without_the_kernel_int8_takes_the_xla_path checks that path everywhere).
+needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                  reason="no C++ compiler: the CPU int8 kernel cannot be built here")
 
 
 def _weight(K: int, N: int, seed: int = 0) -> QuantizedWeight:
@@ -30,6 +31,7 @@ def _x(M: int, K: int, seed: int = 1) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal((M, K)), jnp.float32)
 
 
+@needs_kernel
 def test_kernel_builds_and_registers():
     assert C.available(), C.unavailable_reason()
     assert C.build() == C.build()            # cached: the second call compiles nothing
@@ -40,6 +42,7 @@ def test_kernel_builds_and_registers():
 SHAPES = [(576, 192), (64, 96), (48, 37), (96, 200)]
 
 
+@needs_kernel
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_matches_reference_and_is_batch_invariant(K, N):
     assert C.available()
@@ -65,6 +68,7 @@ def test_matches_reference_and_is_batch_invariant(K, N):
                                    rtol=0, atol=2e-5 * K ** 0.5 * float(np.abs(np.asarray(C.int8_matmul(x, w))).max()))
 
 
+@needs_kernel
 def test_bf16_activations_and_inside_jit():
     w = C.pack(_weight(128, 64))
     assert w.panel == 32
@@ -99,6 +103,7 @@ def test_build_errors_are_clear(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())         # no half-written library left behind
 
 
+@needs_kernel
 def test_engine_packs_int8_weights_on_cpu():
     """On CPU, --quantization int8 packs every matmul weight with K % 64 == 0 and
     N % 32 == 0 for the kernel; the model hook sends them there (tests/test_quantization.py checks the
@@ -118,3 +123,30 @@ def test_engine_packs_int8_weights_on_cpu():
     assert ws and all(w.bits == 8 for w in ws)
     assert all(w.panel == 32 for w in ws if w.shape[0] % 64 == 0 and w.shape[1] % 32 == 0)
     assert any(w.panel == 32 for w in ws)
+
+
+def test_without_the_kernel_int8_takes_the_xla_path(monkeypatch):
+    """A host without a compiler: int8 weights stay plain, the hook is XLA's, the XLA path
+    gets its memory-optimized scheduler, and the matmul still gives the reference values."""
+    import sys
+    import pathlib
+
+    from flax import nnx
+    from jaxinfer.attention import dispatch
+    from jaxinfer.models import layers as L
+    from jaxinfer.quantization import cpu_compiler_options, quantize_model
+
+    monkeypatch.setattr(C, "available", lambda: False)
+    monkeypatch.setattr(C, "unavailable_reason", lambda: "test: no compiler")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from tp_worker import tiny_loaded
+
+    model = quantize_model(tiny_loaded("llama_8q4kv").model, "int8")
+    ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
+          if isinstance(x, QuantizedWeight)]
+    assert ws and all(w.panel == 0 for w in ws)
+    assert dispatch.select_matmul(True, "cpu") is L.tiled_matmul
+    assert cpu_compiler_options(model) is not None
+    w, x = _weight(64, 96), _x(3, 64)
+    np.testing.assert_allclose(np.asarray(L.matmul(x, w)),
+                               np.asarray(quantized_matmul_reference(x, w)), rtol=1e-5, atol=1e-4)

@@ -49,36 +49,32 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
 
 def select_matmul(batch_invariant: bool, backend: str | None = None,
                   quantized: bool = True) -> Callable:
-    """The model's ``mm`` hook: plain or batch-invariant XLA dots for float weights.
-    Quantized weights: on TPU / GPU the Pallas kernel; on CPU int8 goes to the C++ kernel
-    (pallas_kernels/cpu_matmul.py: batch-invariant by construction, so both modes use
-    it) when it builds, int4 (and int8 without the kernel) to XLA's path."""
+    """The model's ``mm`` hook: plain or batch-invariant dots (layers.matmul / tiled_matmul,
+    which also route quantized weights on CPU: layers.quantized_matmul). On TPU / GPU
+    quantized weights go to the Pallas kernel. The choice is logged."""
     from jaxinfer.models import layers as L
 
     base = L.tiled_matmul if batch_invariant else L.matmul
     if not quantized:            # float weights: nothing to dispatch (and no kernel build)
         return base
     backend = backend or jax.default_backend()
-    from pallas_kernels import quantized_matmul as Q
-
-    if backend in ("tpu", "gpu"):
-        kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
-        use = lambda w: True                       # noqa: E731
-        log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
-    else:
+    if backend not in ("tpu", "gpu"):
         from pallas_kernels import cpu_matmul
 
-        if not cpu_matmul.available():
+        if cpu_matmul.available():
+            log.info("matmul: int8 weights -> C++ kernel (jax.ffi), int4 -> XLA, on backend %s",
+                     backend)
+        else:
             log.info("matmul: quantized weights -> XLA path on backend %s (C++ kernel "
                      "unavailable: %s)", backend, cpu_matmul.unavailable_reason())
-            return base
-        log.info("matmul: int8 weights -> C++ kernel (jax.ffi), int4 -> XLA, on backend %s",
-                 backend)
-        kernel = cpu_matmul.int8_matmul
-        use = lambda w: w.bits == 8                # noqa: E731
+        return base
+    from pallas_kernels import quantized_matmul as Q
+
+    kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
+    log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
 
     def mm(x, w):
-        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) and use(w) else base(x, w)
+        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) else base(x, w)
 
     return mm
 

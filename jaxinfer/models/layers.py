@@ -104,32 +104,39 @@ def _is_quantized(w) -> bool:
     return not isinstance(w, jax.Array) and hasattr(w, "scales")   # a QuantizedWeight
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant).
-    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): a panel-packed int8 one goes
-    to the CPU kernel (pallas_kernels/cpu_matmul.py), others to XLA:CPU's quantized path."""
-    if _is_quantized(w):
-        if w.panel:
-            from pallas_kernels.cpu_matmul import int8_matmul
-            return int8_matmul(x, w)
+def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
+    """x [T, K] @ a QuantizedWeight, the one place that picks the path (the engine's hook,
+    the reference generator and the quality tool all come here, so they agree):
+    int8 on CPU with the C++ kernel built -> pallas_kernels/cpu_matmul.py (packed or plain
+    layout; batch-invariant by construction); otherwise XLA (``invariant``: the converted
+    weight through ``tiled_matmul``). TPU / GPU kernels are chosen by attention/dispatch."""
+    if w.bits == 8 and jax.default_backend() == "cpu":
+        from pallas_kernels import cpu_matmul
+        if cpu_matmul.available():
+            return cpu_matmul.int8_matmul(x, w)
+    if not invariant:
         from pallas_kernels.quantized_matmul import quantized_matmul_xla
         return quantized_matmul_xla(x, w)
+    from pallas_kernels.quantized_matmul import dequantize
+    if w.bits == 8:     # the per-channel scale applies after the dot
+        y = tiled_matmul(x.astype(jnp.float32), w.unpanelled().astype(jnp.float32)) * w.scales[None, :]
+        return y.astype(x.dtype)
+    return tiled_matmul(x, dequantize(w).astype(x.dtype))
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant).
+    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
+    if _is_quantized(w):
+        return quantized_matmul(x, w, invariant=False)
     return x @ w
 
 
 def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above). A quantized
-    ``w`` is converted first (int8: the per-channel scale applies after the dot); a
-    panel-packed int8 one goes to the CPU kernel, batch-invariant by construction."""
+    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above). ``w`` may be a
+    QuantizedWeight: see quantized_matmul."""
     if _is_quantized(w):
-        if w.panel:
-            from pallas_kernels.cpu_matmul import int8_matmul
-            return int8_matmul(x, w)
-        from pallas_kernels.quantized_matmul import dequantize
-        if w.bits == 8:
-            y = tiled_matmul(x.astype(jnp.float32), w.q.astype(jnp.float32)) * w.scales[None, :]
-            return y.astype(x.dtype)
-        return tiled_matmul(x, dequantize(w).astype(x.dtype))
+        return quantized_matmul(x, w, invariant=True)
     T = x.shape[0]
     if T == 1:
         return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]

@@ -1,0 +1,108 @@
+"""Building and registering the C++ CPU kernels (pallas_kernels/cpu/*.cc) with XLA:CPU.
+
+Each kernel is one C++ file against the XLA FFI headers that jaxlib ships, compiled on
+first use with the host's C++ compiler (``$CXX``, default ``g++``; x86-64 with AVX2 and
+FMA) and cached under ``$JAXINFER_KERNEL_CACHE`` (default ``~/.cache/jaxinfer/kernels``)
+by a hash of the source, the jax version, the compiler, the flags and the CPU's flags.
+Without a compiler (or on another CPU) loading fails with the reason, and the caller keeps
+XLA's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("jaxinfer")
+
+# -mno-avx512f: each kernel's one code path is AVX2 + FMA (tested), even on AVX-512 hosts.
+FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-std=c++17", "-shared", "-fPIC")
+SOURCE_DIR = Path(__file__).with_name("cpu")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JAXINFER_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "jaxinfer" / "kernels"
+
+
+def build(source: Path) -> Path:
+    """Compile ``source`` (or find it in the cache) -> path of the shared library.
+    Raises RuntimeError naming what failed."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
+    src = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, jax.__version__.encode(), cxx.encode(),
+                                     " ".join(FLAGS).encode(), platform.machine().encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:20]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent processes (test workers) each
+    # build and the last rename wins; a reader never sees a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed ({' '.join(cmd)}):\n"
+                               f"{proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class Kernel:
+    """One C++ source and the FFI targets it defines ({target name: exported symbol}),
+    built, loaded and registered once, on the first ``available()``."""
+
+    def __init__(self, source: str, targets: dict[str, str], what: str):
+        self.source = SOURCE_DIR / source
+        self.targets = targets
+        self.what = what                 # for the log line: "int8 matmul"
+        self._ok: bool | None = None
+        self._reason = ""
+        self._lib = None
+
+    def available(self) -> bool:
+        if self._ok is None:
+            try:
+                self._lib = ctypes.cdll.LoadLibrary(str(build(self.source)))
+                for target, symbol in self.targets.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(self._lib, symbol)),
+                                                platform="cpu")
+                self._ok = True
+            except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as e:
+                self._ok, self._reason = False, str(e)
+                log.warning("CPU %s kernel unavailable, using XLA's path: %s", self.what, e)
+        return self._ok
+
+    def unavailable_reason(self) -> str | None:
+        return None if self.available() else self._reason
+
+    def reset(self) -> None:
+        """Forget the outcome (tests: retry after changing $CXX or the cache)."""
+        self._ok, self._reason, self._lib = None, "", None

@@ -85,6 +85,21 @@ def engine_decode(q, k, v, kv_lens, q_lens, pt, **kw):
                                       prefill_chunk=0, sm_scale=D ** -0.5, **kw)
 
 
+def cpp_attention():
+    """The C++ kernel's ragged_paged_attention (pallas_kernels/cpu_attention.py), or None
+    where it cannot be built (the reason is printed)."""
+    from pallas_kernels import cpu_attention
+    if not cpu_attention.available():
+        print(f"  (C++ kernel unavailable: {cpu_attention.unavailable_reason()})")
+        return None
+    return cpu_attention.ragged_paged_attention
+
+
+def cpp_decode(q, k, v, kv_lens, q_lens, pt):
+    return cpp_attention()(q, k, v, kv_lens, q_lens, pt, num_decode=q.shape[0],
+                           prefill_chunk=0, sm_scale=D ** -0.5)
+
+
 # --- alternative decode formulations (what the engine's choice was measured against) -------
 
 def naive_decode(q, k, v, kv_lens, q_lens, pt):
@@ -162,6 +177,8 @@ def section_decode():
           "(512 tokens), per layer ==")
     args, real = make_decode()
     fns = {"engine (xla.ragged_paged_attention)": over_layers(engine_decode)}
+    if cpp_attention() is not None:
+        fns["C++ kernel (cpu_attention)"] = over_layers(cpp_decode)
     for form in ("kT_vT", "nt", "natural", "waste"):
         fns[f"blocked, per-block form {form}"] = over_layers(functools.partial(blocked_decode, form=form))
     fns["naive: gather all pages + dense einsum"] = over_layers(naive_decode)
@@ -171,9 +188,10 @@ def section_decode():
         err = float(jnp.max(jnp.abs(o - base)))
         assert err < 1e-4, (k, err)
     res = timed(fns, args)
-    mn = res["engine (xla.ragged_paged_attention)"][0]
-    print(f"  real K+V bytes per layer {real / 1e6:.1f} MB -> engine streams "
-          f"{real / mn / 1e6:.1f} GB/s")
+    for name in ("engine (xla.ragged_paged_attention)", "C++ kernel (cpu_attention)"):
+        if name in res:
+            print(f"  real K+V bytes per layer {real / 1e6:.1f} MB -> {name} streams "
+                  f"{real / res[name][0] / 1e6:.1f} GB/s")
     eng = fns["engine (xla.ragged_paged_attention)"]
     timed({"engine, f32 cache": eng, "engine, bf16 cache": eng},
           {"engine, f32 cache": args, "engine, bf16 cache": make_decode(dtype=jnp.bfloat16)[0]})
@@ -226,6 +244,10 @@ def section_prefill():
                 return o.reshape(C, H, D)
             tag = " [engine]" if qb == min(C, xla.Q_BLOCK) else ""
             fns[f"chunk {C}, query block {qb}{tag}"] = over_layers(attn)
+        if cpp_attention() is not None:
+            fns[f"chunk {C}, C++ kernel"] = over_layers(
+                lambda q, k, v, kv_lens, q_lens, pt, C=C: cpp_attention()(
+                    q, k, v, kv_lens, q_lens, pt, num_decode=0, prefill_chunk=C, sm_scale=D ** -0.5))
         res = timed(fns, (q, k, v, kv, kv, pt))
         flops = 4 * C * C * H * D / 2          # causal half of QK^T and PV
         best = min(r[0] for r in res.values())

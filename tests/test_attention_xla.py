@@ -1,5 +1,7 @@
-"""Ragged paged attention (attention/xla.py): fast path == reference == dense numpy, and
-batch invariance (bitwise) of the fast path.
+"""Ragged paged attention: the fast paths == reference == dense numpy, and batch invariance
+(bitwise) of each fast path. Fast paths (the ``impl`` fixture): "xla", the jnp one
+(attention/xla.py), and "cpp", the C++ kernel (pallas_kernels/cpu_attention.py, skipped
+one test at a time only where no C++ compiler exists).
 
 Every page that is not part of a sequence — page 0 (the padding sink), free pages, and the
 tail of each sequence's last page — is filled with NaN, so a stray read fails loudly.
@@ -14,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import os
 import pytest
+import shutil
 
 from jaxinfer.attention.xla import (KV_BLOCK, layout_q_starts, ragged_paged_attention,
                                     ragged_paged_attention_reference)
@@ -116,10 +120,22 @@ def dense_numpy(c: Case, *, sm_scale, sliding_window=None, soft_cap=None) -> np.
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
-                                             "sliding_window", "soft_cap"))
-def fast(q, k, v, kv_lens, q_lens, pt, **kw):
-    return ragged_paged_attention(q, k, v, kv_lens, q_lens, pt, **kw)
+@pytest.fixture(params=["xla", "cpp"])
+def impl(request) -> str:
+    if request.param == "cpp":
+        if shutil.which(os.environ.get("CXX", "g++")) is None:
+            pytest.skip("no C++ compiler: the CPU attention kernel cannot be built here")
+        from pallas_kernels import cpu_attention
+        assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    return request.param
+
+
+def fast(q, k, v, kv_lens, q_lens, pt, impl="xla", **kw):
+    if impl == "cpp":
+        from pallas_kernels.cpu_attention import ragged_paged_attention as fn
+    else:
+        fn = ragged_paged_attention
+    return fn(q, k, v, kv_lens, q_lens, pt, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
@@ -127,10 +143,10 @@ def ref(q, k, v, kv_lens, pt, q_starts, q_lens, **kw):
     return ragged_paged_attention_reference(q, k, v, kv_lens, pt, q_starts, q_lens, **kw)
 
 
-def run_both(c: Case, **kw):
+def run_both(c: Case, impl: str = "xla", **kw):
     args = (jnp.asarray(c.q), jnp.asarray(c.k_pages), jnp.asarray(c.v_pages),
             jnp.asarray(c.kv_lens), jnp.asarray(c.q_lens), jnp.asarray(c.page_table))
-    out = fast(*args, num_decode=c.num_decode, prefill_chunk=c.prefill_chunk, **kw)
+    out = fast(*args, impl=impl, num_decode=c.num_decode, prefill_chunk=c.prefill_chunk, **kw)
     starts = layout_q_starts(len(c.kv_lens), c.num_decode, c.prefill_chunk)
     r = ref(args[0], args[1], args[2], args[3], args[5], starts, args[4], **kw)
     return np.asarray(out), np.asarray(r)
@@ -152,11 +168,11 @@ def used_rows(c: Case) -> np.ndarray:
 # page sizes 8/16/32, head_dim 64/128, GQA ratios 1/3/8 and MQA, each at least once
 @pytest.mark.parametrize("page_size,heads,kv_heads,head_dim", [
     (8, 4, 4, 64), (16, 9, 3, 64), (32, 16, 2, 128), (8, 9, 3, 128), (16, 8, 1, 64)])
-def test_fast_matches_reference_and_dense(page_size, heads, kv_heads, head_dim):
+def test_fast_matches_reference_and_dense(page_size, heads, kv_heads, head_dim, impl):
     c = make_case(MIX, 4, 48, page_size=page_size, heads=heads, kv_heads=kv_heads,
                   head_dim=head_dim, seed=page_size + heads)
     scale = head_dim ** -0.5
-    out, r = run_both(c, sm_scale=scale)
+    out, r = run_both(c, impl, sm_scale=scale)
     d = dense_numpy(c, sm_scale=scale)
     assert np.isfinite(out).all() and np.isfinite(r).all()
     np.testing.assert_allclose(r, d, atol=1e-5, rtol=1e-5)
@@ -166,11 +182,11 @@ def test_fast_matches_reference_and_dense(page_size, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("window,cap", [(40, None), (1, 50.0)])
-def test_sliding_window_and_soft_cap(window, cap):
+def test_sliding_window_and_soft_cap(window, cap, impl):
     seqs = [Seq(200, 1), Seq(5, 1), Seq(260, 64), Seq(64, 64)]
     c = make_case(seqs, 2, 64, page_size=16, heads=8, kv_heads=2, head_dim=64, seed=7)
     kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
-    out, r = run_both(c, **kw)
+    out, r = run_both(c, impl, **kw)
     d = dense_numpy(c, **kw)
     np.testing.assert_allclose(r, d, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(out, r, atol=1e-5, rtol=1e-5)
@@ -187,12 +203,15 @@ def test_bf16_cache():
     np.testing.assert_allclose(r, d, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_queries_give_bf16_output():
+def test_bf16_queries_give_bf16_output(impl):
     c = make_case([Seq(20, 1), Seq(33, 33)], 1, 40, page_size=16, heads=4, kv_heads=2,
                   head_dim=64, dtype=ml_dtypes.bfloat16, seed=4)
     qb = jnp.asarray(c.q).astype(jnp.bfloat16)
-    out = fast(qb, jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), jnp.asarray(c.kv_lens),
-               jnp.asarray(c.q_lens), jnp.asarray(c.page_table), num_decode=1, prefill_chunk=40,
+    kp, vp = jnp.asarray(c.k_pages), jnp.asarray(c.v_pages)
+    if impl == "cpp":      # float32 pages only (the same rounded values)
+        kp, vp = kp.astype(jnp.float32), vp.astype(jnp.float32)
+    out = fast(qb, kp, vp, jnp.asarray(c.kv_lens), jnp.asarray(c.q_lens),
+               jnp.asarray(c.page_table), impl=impl, num_decode=1, prefill_chunk=40,
                sm_scale=0.125)
     assert out.dtype == jnp.bfloat16
     c.q = np.asarray(qb.astype(jnp.float32))
@@ -215,7 +234,7 @@ def test_reference_on_contiguous_cu_q_lens_layout():
     np.testing.assert_allclose(np.asarray(r), d_packed, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_prefill_equals_whole_prefill():
+def test_chunked_prefill_equals_whole_prefill(impl):
     """A prompt computed in chunks (continuing from its cache) == computed at once."""
     n, chunk = 150, 64
     rng = np.random.default_rng(11)
@@ -224,7 +243,7 @@ def test_chunked_prefill_equals_whole_prefill():
                   rng.standard_normal((n, 2, 64)).astype(np.float32))}
     whole = make_case([_key(Seq(n, n), "a")], 0, n, page_size=16, heads=8, kv_heads=2,
                       head_dim=64, data=data)
-    out_whole, _ = run_both(whole, sm_scale=0.125)
+    out_whole, _ = run_both(whole, impl, sm_scale=0.125)
     qa, ka, va = data["a"]
     pieces = []
     for s0 in range(0, n, chunk):
@@ -232,7 +251,7 @@ def test_chunked_prefill_equals_whole_prefill():
         d = {"a": (qa[s0:s0 + ql], ka[:s0 + ql], va[:s0 + ql])}
         c = make_case([_key(Seq(s0 + ql, ql), "a")], 0, chunk, page_size=16, heads=8,
                       kv_heads=2, head_dim=64, data=d, max_pages=10)
-        out, r = run_both(c, sm_scale=0.125)
+        out, r = run_both(c, impl, sm_scale=0.125)
         np.testing.assert_allclose(out, r, atol=1e-5, rtol=1e-5)
         pieces.append(out[:ql])
     np.testing.assert_array_equal(np.concatenate(pieces), out_whole[:n])
@@ -245,23 +264,23 @@ def _key(s: Seq, key) -> Seq:
 
 # --- batch invariance --------------------------------------------------------------------
 
-def _target_output(c: Case, slot: int) -> np.ndarray:
+def _target_output(c: Case, slot: int, impl: str) -> np.ndarray:
     out = np.asarray(fast(jnp.asarray(c.q), jnp.asarray(c.k_pages), jnp.asarray(c.v_pages),
                           jnp.asarray(c.kv_lens), jnp.asarray(c.q_lens),
-                          jnp.asarray(c.page_table), num_decode=c.num_decode,
+                          jnp.asarray(c.page_table), impl=impl, num_decode=c.num_decode,
                           prefill_chunk=c.prefill_chunk, sm_scale=0.125))
     start = slot if slot < c.num_decode else c.num_decode + (slot - c.num_decode) * c.prefill_chunk
     return out[start:start + int(c.q_lens[slot])]
 
 
-def test_batch_invariance_decode():
+def test_batch_invariance_decode(impl):
     """One decoding sequence: same bits alone, among others, at any slot, with any bucket."""
     data = {}
     geo = dict(page_size=16, heads=9, kv_heads=3, head_dim=64, data=data)
     tgt = lambda: _key(Seq(301, 1), "t")  # noqa: E731
     others = lambda n, seed: [_key(Seq(int(x), 1), f"o{seed}_{i}") for i, x in  # noqa: E731
                               enumerate(np.random.default_rng(seed).integers(1, 700, n))]
-    alone = _target_output(make_case([tgt()], 1, 0, **geo), 0)
+    alone = _target_output(make_case([tgt()], 1, 0, **geo), 0, impl)
     variants = [
         (make_case([tgt()], 1, 0, max_pages=64, **geo), 0),                     # longer table
         (make_case(others(5, 1) + [tgt(), Seq(0, 0), Seq(0, 0)], 8, 0, **geo), 5),  # padded slots
@@ -269,25 +288,25 @@ def test_batch_invariance_decode():
         (make_case(others(63, 5)[:40] + [tgt()] + others(63, 5)[40:], 64, 0, **geo), 40),
     ]
     for c, slot in variants:
-        np.testing.assert_array_equal(_target_output(c, slot), alone)
+        np.testing.assert_array_equal(_target_output(c, slot, impl), alone)
 
 
-def test_batch_invariance_prefill():
+def test_batch_invariance_prefill(impl):
     """A prefill chunk: same bits whatever else is in the step and whatever the bucket."""
     data = {}
     geo = dict(page_size=16, heads=9, kv_heads=3, head_dim=64, data=data)
     tgt = lambda: _key(Seq(500, 200), "t")  # noqa: E731
-    alone = _target_output(make_case([tgt()], 0, 200, **geo), 0)
+    alone = _target_output(make_case([tgt()], 0, 200, **geo), 0, impl)
     variants = [
         (make_case([tgt()], 0, 256, max_pages=48, **geo), 0),                  # bigger chunk/table
         (make_case([Seq(30, 1)] * 8 + [Seq(100, 100), tgt(), Seq(0, 0)], 8, 256, **geo), 9),
         (make_case([Seq(800, 30), tgt()], 0, 512, max_pages=80, **geo), 1),
     ]
     for c, slot in variants:
-        np.testing.assert_array_equal(_target_output(c, slot), alone)
+        np.testing.assert_array_equal(_target_output(c, slot, impl), alone)
 
 
-def test_same_bits_in_decode_slot_prefill_slot_any_chunk_and_page_size():
+def test_same_bits_in_decode_slot_prefill_slot_any_chunk_and_page_size(impl):
     """A token's output depends only on its q, its sequence's K/V and its position: the
     same bits whether it is decoded, ends a prefill chunk of any length, or the pages are
     8, 16 or 32 tokens (all divide KV_BLOCK)."""
@@ -299,25 +318,25 @@ def test_same_bits_in_decode_slot_prefill_slot_any_chunk_and_page_size():
     qa, ka, va = data["a"]
     geo = dict(heads=9, kv_heads=3, head_dim=64)
     whole = _target_output(make_case([_key(Seq(n, n), "a")], 0, n, page_size=16, data=data,
-                                     **geo), 0)
+                                     **geo), 0, impl)
     last = {"a": (qa[-1:], ka, va)}
     tail = {"a": (qa[-37:], ka, va)}
     dec = _target_output(make_case([Seq(50, 1), _key(Seq(n, 1), "a")], 2, 0, page_size=16,
-                                   data=last, **geo), 1)
+                                   data=last, **geo), 1, impl)
     np.testing.assert_array_equal(dec[0], whole[-1])
     for ps in (8, 16, 32):
         pre = _target_output(make_case([_key(Seq(n, 37), "a")], 0, 64, page_size=ps,
-                                       data=tail, **geo), 0)
+                                       data=tail, **geo), 0, impl)
         np.testing.assert_array_equal(pre, whole[-37:])
 
 
-def test_all_slots_padded_gives_zeros():
+def test_all_slots_padded_gives_zeros(impl):
     """A step with no live slot (page table all page 0 = NaN) gives exact zeros."""
     c = make_case([Seq(0, 0), Seq(0, 0), Seq(0, 0)], 2, 16, page_size=16, heads=4,
                   kv_heads=2, head_dim=64)
     out = np.asarray(fast(jnp.asarray(c.q), jnp.asarray(c.k_pages), jnp.asarray(c.v_pages),
                           jnp.asarray(c.kv_lens), jnp.asarray(c.q_lens),
-                          jnp.asarray(c.page_table), num_decode=2, prefill_chunk=16,
+                          jnp.asarray(c.page_table), impl=impl, num_decode=2, prefill_chunk=16,
                           sm_scale=0.125))
     assert (out == 0).all()
 
@@ -336,3 +355,25 @@ def test_shape_errors_name_the_dimension():
 
 def test_kv_block_is_a_multiple_of_common_page_sizes():
     assert all(KV_BLOCK % p == 0 for p in (8, 16, 32, 64))
+
+
+def test_cpp_kernel_errors_name_the_problem(impl):
+    if impl != "cpp":
+        return
+    from pallas_kernels.cpu_attention import ragged_paged_attention as cpp
+    c = make_case([Seq(40, 1)], 1, 0, page_size=16, heads=4, kv_heads=2, head_dim=64)
+    args = [jnp.asarray(x) for x in (c.q, c.k_pages, c.v_pages, c.kv_lens, c.q_lens, c.page_table)]
+    kw = dict(num_decode=1, prefill_chunk=0, sm_scale=0.125)
+    with pytest.raises(ValueError, match="float32 pages"):
+        cpp(args[0], args[1].astype(jnp.bfloat16), args[2].astype(jnp.bfloat16), *args[3:], **kw)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        cpp(jnp.zeros((1, 3, 64)), *args[1:], **kw)
+    # checked inside the kernel, at run time: a page index outside the cache, a kv_len
+    # longer than the page table, a q_len larger than its slot
+    bad_pt = args[5].at[0, 0].set(c.k_pages.shape[0])
+    with pytest.raises(Exception, match="page index is out of range"):
+        cpp(*args[:5], bad_pt, **kw).block_until_ready()
+    with pytest.raises(Exception, match="q_len / kv_len is out of range"):
+        cpp(*args[:3], args[3] + 1000, *args[4:], **kw).block_until_ready()
+    with pytest.raises(Exception, match="q_len / kv_len is out of range"):
+        cpp(*args[:4], args[4] + 1, args[5], **kw).block_until_ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,7 +66,18 @@ def test_dispatch_picks_kernels_by_backend():
     from jaxinfer.attention.xla import ragged_paged_attention
     from pallas_kernels import ragged_paged_attention as rpa
 
-    assert dispatch.select("auto", "cpu") == ("xla", ragged_paged_attention)
+    from pallas_kernels import cpu_attention
+
+    # CPU: the C++ kernel for float32 pages where it builds, else the jnp path
+    want = ("cpp", cpu_attention.ragged_paged_attention) if cpu_attention.available() else \
+        ("xla", ragged_paged_attention)
+    assert dispatch.select("auto", "cpu") == want
+    assert dispatch.select("auto", "cpu", kv_dtype=jnp.bfloat16) == ("xla", ragged_paged_attention)
+    assert dispatch.select("xla", "cpu") == ("xla", ragged_paged_attention)
+    with pytest.raises(ValueError, match="'cpp' needs the CPU backend and a float32 KV cache"):
+        dispatch.select("cpp", "cpu", kv_quantized=True)
+    with pytest.raises(ValueError, match="'cpp' needs the CPU backend"):
+        dispatch.select("cpp", "gpu")
     assert dispatch.select("auto", "tpu") == ("pallas-tpu", rpa.ragged_paged_attention_tpu)
     assert dispatch.select("auto", "gpu") == ("pallas-gpu", rpa.ragged_paged_attention_gpu)
     assert dispatch.select("xla", "gpu")[0] == "xla"

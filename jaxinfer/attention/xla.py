@@ -69,7 +69,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int,
+def check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int,
            prefill_chunk: int) -> None:
     if q.ndim != 3:
         raise ValueError(f"q: expected [T, H, D], got shape {q.shape}")
@@ -110,7 +110,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_prefill = S - num_decode, T = num_decode + num_prefill * prefill_chunk).
     Returns [T, H, D] in q's dtype.
     """
-    _check(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
+    check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
     T, H, D = q.shape
     S = page_table.shape[0]
     num_prefill = S - num_decode

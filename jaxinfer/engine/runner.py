@@ -130,7 +130,8 @@ class ModelRunner:
         self.publisher = publisher
         self.graphdef, self.state = nnx.split(model)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
-        self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized)
+        self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
+                                                                 kv_dtype=spec.dtype)
         V = self.cfg.vocab_size
         if mesh is None:
             self.kv = kvc.allocate_kv_cache(spec)

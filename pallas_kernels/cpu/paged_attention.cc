@@ -1,0 +1,300 @@
+// Ragged paged attention for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_attention.py).
+//
+// The same step layout and meaning as jaxinfer/attention/xla.py::ragged_paged_attention:
+// q [T, H, D] holds `num_decode` one-token slots, then slots of `prefill_chunk` rows;
+// slot s's query j sits at position kv_lens[s] - q_lens[s] + j and attends to KV
+// positions [lo, pos] (lo = pos - sliding_window + 1 with a window, else 0) of its pages
+// k_pages / v_pages [N, page_size, KVH, D] through page_table [S, P]. Query head h reads
+// KV head h / (H / KVH). Rows past q_len and unused slots give exact zeros.
+//
+// Why it exists: XLA:CPU runs the jnp version as a while loop over 64-token KV blocks,
+// each block a page gather (a copy) plus small batched dots: 3-5 ms of a 15-18 ms int8
+// batch-1 decode step (benchmarks/decode_breakdown.py), and ~5 ms per layer at 32
+// sequences. Here K and V are read in place, once, through the page table.
+//
+// Batch invariance, by construction: each (query row, head) is computed by one thread in
+// one fixed order that depends only on that row's q, its position and its sequence's K/V:
+//   scores  s_i = (q . k_i) * sm_scale, i = lo..pos (each dot: 8 lanes over D in order,
+//           then one fixed horizontal tree); optional soft cap c * tanh(s / c)
+//   m = max s_i; p_i = exp(s_i - m) (one vector exp); l = sum p_i (lane i - lo mod 8,
+//           in order, then the fixed tree); out = (sum_i p_i v_i, i in order) / l.
+// Nothing depends on the batch, the bucket, the page size, the slot kind (decode or
+// prefill) or the chunking of a prompt. (The numbers differ slightly from xla.py's
+// blocked online softmax, so the engine uses one or the other, never both in one run.)
+//
+// x86-64 with AVX2 and FMA only (built with -mno-avx512f); float32 pages only.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the CPU attention kernel needs x86-64 with AVX2 and FMA"
+#endif
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kQueryBlock = 16;        // prefill rows per work unit (share a pointer table)
+constexpr int64_t kInlineMacs = 1 << 17;   // below: no helper thread (waking one costs us)
+
+// exp for x <= 0 (Cephes' single-precision polynomial; ~1 ulp). exp(-88.4) and below -> 0.
+inline __m256 exp_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_max_ps(x, lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  e = _mm256_max_epi32(e, _mm256_setzero_si256());          // 2^-127 and below -> 0
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// The 8 lanes of v summed in one fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7)).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct Args {
+  const float* q;          // [T, H, D]
+  const float* k;          // [N, ps, KVH, D]
+  const float* v;
+  const int32_t* kv_lens;  // [S]
+  const int32_t* q_lens;   // [S]
+  const int32_t* pt;       // [S, P]
+  float* out;              // [T, H, D]
+  int64_t T, H, D, N, ps, KVH, S, P, num_decode, chunk;
+  float sm_scale;
+  int64_t window;          // 0: none
+  float soft_cap;          // 0: none
+};
+
+// Scores of one query row against keys krow[0..n): s[i] = (q . k_i) * scale, four keys at
+// a time (each key its own accumulator: the grouping changes no bits).
+void scores(const float* q, const float* const* krow, int64_t n, int64_t D, float scale,
+            float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float *k0 = krow[i], *k1 = krow[i + 1], *k2 = krow[i + 2], *k3 = krow[i + 3];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    s[i] = hsum(a0) * scale;
+    s[i + 1] = hsum(a1) * scale;
+    s[i + 2] = hsum(a2) * scale;
+    s[i + 3] = hsum(a3) * scale;
+  }
+  for (; i < n; ++i) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(krow[i] + d), a);
+    s[i] = hsum(a) * scale;
+  }
+}
+
+// In place: s[0..n) -> p_i = exp(s_i - max); returns l = sum p_i (fixed order, see header).
+float softmax_numerators(float* s, int64_t n, float soft_cap) {
+  if (soft_cap > 0.f)
+    for (int64_t i = 0; i < n; ++i) s[i] = soft_cap * std::tanh(s[i] / soft_cap);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  if (i < n) {                                   // tail lanes hold exact zeros
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, s + i, (n - i) * sizeof(float));
+    __m256 p = exp_ps(_mm256_sub_ps(_mm256_load_ps(t), mv));
+    const __m256 live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                      _mm256_set1_ps(static_cast<float>(n - i)), _CMP_LT_OQ);
+    p = _mm256_and_ps(p, live);
+    _mm256_store_ps(t, p);
+    std::memcpy(s + i, t, (n - i) * sizeof(float));
+    acc = _mm256_add_ps(acc, p);
+  }
+  return hsum(acc);
+}
+
+// out[0..D) = (sum_i p[i] * v_i) / l, i in order; D in chunks of up to 64 (8 registers).
+void weighted_values(const float* p, const float* const* vrow, int64_t n, int64_t D, float l,
+                     float* out) {
+  const __m256 lv = _mm256_set1_ps(l);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    if (nv == 8) {
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 pi = _mm256_set1_ps(p[i]);
+        const float* vi = vrow[i] + d0;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * c), acc[c]);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 pi = _mm256_set1_ps(p[i]);
+        const float* vi = vrow[i] + d0;
+        for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * c), acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_div_ps(acc[c], lv));
+  }
+}
+
+struct Scratch {
+  std::vector<const float*> krow, vrow;
+  std::vector<float> s;
+};
+
+// One unit: slot `slot`, its query rows [j0, j1), KV head `kvh`. Returns false on a page
+// index outside [0, N).
+bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, Scratch& w) {
+  const int64_t G = a.H / a.KVH, D = a.D;
+  const int64_t q_len = a.q_lens[slot], kv_len = a.kv_lens[slot];
+  const int64_t row0 = slot < a.num_decode ? slot : a.num_decode + (slot - a.num_decode) * a.chunk;
+  const int64_t live_end = std::min(j1, q_len);
+  // Rows past q_len: zeros.
+  for (int64_t j = std::max(j0, live_end); j < j1; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      std::memset(a.out + ((row0 + j) * a.H + kvh * G + g) * D, 0, D * sizeof(float));
+  if (j0 >= live_end) return true;
+  // Key / value row pointers for positions [0, last pos of the block], walked page by page.
+  const int64_t npos = kv_len - q_len + live_end;
+  w.krow.resize(npos + 4);
+  w.vrow.resize(npos + 4);
+  w.s.resize(npos + 8);
+  const int32_t* pt = a.pt + slot * a.P;
+  const int64_t row_stride = a.KVH * D, page_stride = a.ps * row_stride;
+  for (int64_t i = 0, pg = 0; i < npos; ++pg) {
+    const int64_t page = pt[pg];
+    if (page < 0 || page >= a.N) return false;
+    const int64_t base = page * page_stride + kvh * D;
+    for (int64_t o = 0; o < a.ps && i < npos; ++o, ++i) {
+      w.krow[i] = a.k + base + o * row_stride;
+      w.vrow[i] = a.v + base + o * row_stride;
+    }
+  }
+  for (int64_t j = j0; j < live_end; ++j) {
+    const int64_t pos = kv_len - q_len + j;
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+    const int64_t n = pos - lo + 1;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const float* q = a.q + ((row0 + j) * a.H + h) * D;
+      scores(q, w.krow.data() + lo, n, D, a.sm_scale, w.s.data());
+      const float l = softmax_numerators(w.s.data(), n, a.soft_cap);
+      weighted_values(w.s.data(), w.vrow.data() + lo, n, D, l, a.out + ((row0 + j) * a.H + h) * D);
+    }
+  }
+  return true;
+}
+
+struct Work {
+  std::function<bool(int64_t)> run;
+  int64_t units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
+
+  void drain() {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      if (!run(u)) failed.store(true, std::memory_order_relaxed);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_table,
+                         int64_t num_decode, int64_t prefill_chunk, float sm_scale,
+                         int64_t sliding_window, float soft_cap,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), ptd = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || ptd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: expected q [T, H, D], pages [N, ps, KVH, D], "
+                                       "page_table [S, P]");
+  Args a{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(), q_lens.typed_data(),
+         page_table.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
+         ptd[0], ptd[1], num_decode, prefill_chunk, sm_scale, sliding_window, soft_cap};
+  if (kd[3] != a.D || a.D % 8 || a.H % a.KVH || a.T != a.num_decode + (a.S - a.num_decode) * a.chunk)
+    return ffi::Error::InvalidArgument("paged_attention: shapes disagree (D must be a multiple of 8)");
+  int64_t macs = 0;
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t ql = a.q_lens[s], kl = a.kv_lens[s];
+    if (ql < 0 || ql > (s < a.num_decode ? 1 : a.chunk) || kl < ql || kl > a.P * a.ps)
+      return ffi::Error::InvalidArgument("paged_attention: a q_len / kv_len is out of range");
+    macs += ql * kl;
+  }
+  macs *= 2 * a.H * a.D;
+  // Units: decode slots one each, prefill slots in blocks of kQueryBlock rows; x KVH.
+  const int64_t qblocks = (a.chunk + kQueryBlock - 1) / kQueryBlock;
+  const int64_t slot_units = a.num_decode + (a.S - a.num_decode) * qblocks;
+  auto work = std::make_shared<Work>();
+  work->units = slot_units * a.KVH;
+  work->run = [a, qblocks](int64_t u) {
+    thread_local Scratch scratch;
+    const int64_t su = u / a.KVH, kvh = u % a.KVH;
+    if (su < a.num_decode) return run_unit(a, su, 0, 1, kvh, scratch);
+    const int64_t p = su - a.num_decode, slot = a.num_decode + p / qblocks;
+    const int64_t j0 = (p % qblocks) * kQueryBlock;
+    return run_unit(a, slot, j0, std::min(a.chunk, j0 + kQueryBlock), kvh, scratch);
+  };
+  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
+  helpers = std::min(helpers, work->units - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
+  if (work->failed.load()) return ffi::Error::InvalidArgument("paged_attention: a page index is out of range");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_decode")
+                                  .Attr<int64_t>("prefill_chunk")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

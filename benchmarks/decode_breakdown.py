@@ -36,6 +36,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
     import latency as LAT
     import jaxinfer.attention.dispatch as D
     import jaxinfer.attention.xla as X
+    import pallas_kernels.cpu_attention as CA
     from jaxinfer import Engine
     from jaxinfer.config import SamplingParams
     from jaxinfer.loading import load_model
@@ -44,7 +45,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
         D.select_matmul = lambda *a, **k: (lambda x, w: jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
                                            + x[:, :1])
     if variant == "no-matmul-no-attention":
-        X.ragged_paged_attention = lambda q, *a, **k: q
+        X.ragged_paged_attention = CA.ragged_paged_attention = lambda q, *a, **k: q
     args = types.SimpleNamespace(max_model_len=640, max_num_batched_tokens=512, max_num_seqs=1,
                                  quantization=quantization, batch_invariant=batch_invariant)
     eng = Engine(loaded=load_model(None), progress=False, **LAT.engine_config(args))

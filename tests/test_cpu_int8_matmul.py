@@ -125,6 +125,41 @@ def test_engine_packs_int8_weights_on_cpu():
     assert any(w.panel == 32 for w in ws)
 
 
+@needs_kernel
+def test_fused_projections_are_bitwise_the_separate_ones():
+    """quantization.fuse_projections: q/k/v and gate/up of a packed model become one weight
+    each, and the fused product is bitwise the concatenation of the separate products."""
+    import sys
+    import pathlib
+
+    from jaxinfer.quantization import fuse_projections, quantize_model
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from tp_worker import tiny_loaded
+
+    loaded = tiny_loaded("llama_8q4kv")
+    layer = quantize_model(loaded.model, "int8").layers[0]
+    assert hasattr(layer, "wqkv") and hasattr(layer, "w_gate_up")
+    assert not any(hasattr(layer, p) for p in ("wq", "wk", "wv", "w_gate", "w_up"))
+    # the same weights unfused: quantize without fusing, then compare products
+    import jaxinfer.quantization as Qz
+    orig = Qz.fuse_projections
+    Qz.fuse_projections = lambda m: m
+    try:
+        plain_model = quantize_model(loaded.model, "int8")
+        plain = plain_model.layers[0]
+    finally:
+        Qz.fuse_projections = orig
+    x = _x(3, layer.wqkv[...].shape[0])
+    want = np.concatenate([np.asarray(C.int8_matmul(x, getattr(plain, p)[...]))
+                           for p in ("wq", "wk", "wv")], axis=1)
+    np.testing.assert_array_equal(np.asarray(C.int8_matmul(x, layer.wqkv[...])), want)
+    want = np.concatenate([np.asarray(C.int8_matmul(x, getattr(plain, p)[...]))
+                           for p in ("w_gate", "w_up")], axis=1)
+    np.testing.assert_array_equal(np.asarray(C.int8_matmul(x, layer.w_gate_up[...])), want)
+    assert fuse_projections(plain_model) is plain_model and hasattr(plain, "wqkv")
+
+
 def test_without_the_kernel_int8_takes_the_xla_path(monkeypatch):
     """A host without a compiler: int8 weights stay plain, the hook is XLA's, the XLA path
     gets its memory-optimized scheduler, and the matmul still gives the reference values."""

@@ -124,9 +124,14 @@ class DecoderLayer(nnx.Module):
         T, hd = x.shape[0], cfg.head_dim
         with jax.named_scope("attention"):
             h = L.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)          # [T, D]
-            q = mm(h, self.wq[...])                                              # [T, Hq*hd]
-            k = mm(h, self.wk[...])                                              # [T, Hkv*hd]
-            v = mm(h, self.wv[...])
+            if hasattr(self, "wqkv"):     # fused at load time (quantization.fuse_projections)
+                Hq = cfg.num_heads * hd
+                qkv = mm(h, self.wqkv[...])                                      # [T, Hq + 2*Hkv*hd]
+                q, k, v = jnp.split(qkv, [Hq, Hq + cfg.num_kv_heads * hd], axis=-1)
+            else:
+                q = mm(h, self.wq[...])                                          # [T, Hq*hd]
+                k = mm(h, self.wk[...])                                          # [T, Hkv*hd]
+                v = mm(h, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
             q = q.reshape(T, -1, hd)                                             # [T, Hq_local, hd]
@@ -143,7 +148,10 @@ class DecoderLayer(nnx.Module):
             x = x + o
         with jax.named_scope("mlp"):
             h = L.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-            g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])                   # [T, F]
+            if hasattr(self, "w_gate_up"):   # fused at load time
+                g, u = jnp.split(mm(h, self.w_gate_up[...]), 2, axis=-1)           # [T, F] each
+            else:
+                g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])               # [T, F]
             if cfg.mlp_bias:
                 g, u = g + self.b_gate[...], u + self.b_up[...]
             y = L.all_reduce(mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...]), tp_axis)  # [T, D]

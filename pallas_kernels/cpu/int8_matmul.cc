@@ -57,6 +57,13 @@ namespace {
 #define JAXINFER_INLINE_MACS (1 << 15)
 #endif
 constexpr int64_t kInlineMacs = JAXINFER_INLINE_MACS;   // below: no helper thread
+#ifndef JAXINFER_PREFETCH
+#define JAXINFER_PREFETCH 2048
+#endif
+// packed: software prefetch this many bytes ahead of the weight stream (it runs into the
+// next panel, which is next in memory). All 121 matmuls of a fused int8 decode step: 5.67
+// vs 6.14 ms without (min of 15; 4096 ahead: 5.83; claiming 4 panels per unit: no gain).
+constexpr int64_t kPrefetch = JAXINFER_PREFETCH;
 constexpr int kBlock = 64;        // packed: K per activation scale (int32 sums cannot overflow:
                                   // 32 pairs x 2 x 32767 x 127 < 2^31)
 constexpr int kPanel = 32;        // packed: columns per panel (64 bytes per row pair)
@@ -93,6 +100,7 @@ void packed_tile(const Packed& p, int64_t m0, int64_t panel) {
     const int8_t* wb = w + b * (kBlock / 2) * (kPanel * 2);
     for (int j = 0; j < kBlock / 2; ++j) {
       const int8_t* wj = wb + j * (kPanel * 2);          // 64 bytes: 32 columns x (k, k+1)
+      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wj + kPrefetch), _MM_HINT_T0);
       __m256i xb[R];
       for (int r = 0; r < R; ++r) {
         int32_t pair;

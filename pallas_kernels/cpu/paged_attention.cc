@@ -48,6 +48,7 @@ namespace {
 
 constexpr int64_t kQueryBlock = 16;        // prefill rows per work unit (share a pointer table)
 constexpr int64_t kInlineMacs = 1 << 17;   // below: no helper thread (waking one costs us)
+constexpr int64_t kKeyBlock = 64;          // keys per block: 64 x D=64 x 4 B = 16 KB of K in L1
 
 // exp for x <= 0 (Cephes' single-precision polynomial; ~1 ulp). exp(-88.4) and below -> 0.
 inline __m256 exp_ps(__m256 x) {
@@ -69,12 +70,15 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
-// The 8 lanes of v summed in one fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7)).
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// Lane sums of 8 vectors a[0..8) -> one vector (r[i] = sum of a[i]'s lanes), each in the
+// same fixed tree ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): 9 instructions for 8 sums.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 ab = _mm256_hadd_ps(a[0], a[1]), cd = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 ef = _mm256_hadd_ps(a[4], a[5]), gh = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+  // abcd = [A_lo B_lo C_lo D_lo | A_hi B_hi C_hi D_hi] (lo: lanes 0-3, hi: lanes 4-7)
+  return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
+                       _mm256_permute2f128_ps(abcd, efgh, 0x31));
 }
 
 struct Args {
@@ -91,31 +95,31 @@ struct Args {
   float soft_cap;          // 0: none
 };
 
-// Scores of one query row against keys krow[0..n): s[i] = (q . k_i) * scale, four keys at
-// a time (each key its own accumulator: the grouping changes no bits).
+// Scores of one query row against keys krow[0..n): s[i] = (q . k_i) * scale, eight keys
+// at a time, each key its own accumulator (8 lanes over D in order, then hsum8's tree).
+// A tail group reuses krow[0] for its missing keys and drops those results, so every
+// score comes from the same instructions wherever it falls.
 void scores(const float* q, const float* const* krow, int64_t n, int64_t D, float scale,
             float* s) {
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float *k0 = krow[i], *k1 = krow[i + 1], *k2 = krow[i + 2], *k3 = krow[i + 3];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 8) {
+    const float* k[8];
+    for (int c = 0; c < 8; ++c) k[c] = krow[i + c < n ? i + c : 0];
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[c] + d), a[c]);
     }
-    s[i] = hsum(a0) * scale;
-    s[i + 1] = hsum(a1) * scale;
-    s[i + 2] = hsum(a2) * scale;
-    s[i + 3] = hsum(a3) * scale;
-  }
-  for (; i < n; ++i) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8)
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(krow[i] + d), a);
-    s[i] = hsum(a) * scale;
+    const __m256 r = _mm256_mul_ps(hsum8(a), sv);
+    if (i + 8 <= n) {
+      _mm256_storeu_ps(s + i, r);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, r);
+      std::memcpy(s + i, t, (n - i) * sizeof(float));
+    }
   }
 }
 
@@ -123,8 +127,15 @@ void scores(const float* q, const float* const* krow, int64_t n, int64_t D, floa
 float softmax_numerators(float* s, int64_t n, float soft_cap) {
   if (soft_cap > 0.f)
     for (int64_t i = 0; i < n; ++i) s[i] = soft_cap * std::tanh(s[i] / soft_cap);
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  // the max is exact in any order: 8 lanes, then across them
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + i0));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = lanes[0];
+  for (int c = 1; c < 8; ++c) m = std::max(m, lanes[c]);
+  for (; i0 < n; ++i0) m = std::max(m, s[i0]);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -144,17 +155,18 @@ float softmax_numerators(float* s, int64_t n, float soft_cap) {
     std::memcpy(s + i, t, (n - i) * sizeof(float));
     acc = _mm256_add_ps(acc, p);
   }
-  return hsum(acc);
+  __m256 a8[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
+  return _mm256_cvtss_f32(hsum8(a8));
 }
 
-// out[0..D) = (sum_i p[i] * v_i) / l, i in order; D in chunks of up to 64 (8 registers).
-void weighted_values(const float* p, const float* const* vrow, int64_t n, int64_t D, float l,
-                     float* out) {
-  const __m256 lv = _mm256_set1_ps(l);
+// acc[0..D) += sum_i p[i] * v_i, i in order (acc starts at zeros: the running sum is
+// stored between key blocks, which changes no bits); D in chunks of up to 64 (8 registers).
+void weighted_values(const float* p, const float* const* vrow, int64_t n, int64_t D,
+                     float* acc_mem) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
     __m256 acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_loadu_ps(acc_mem + d0 + 8 * c);
     if (nv == 8) {
       for (int64_t i = 0; i < n; ++i) {
         const __m256 pi = _mm256_set1_ps(p[i]);
@@ -169,13 +181,14 @@ void weighted_values(const float* p, const float* const* vrow, int64_t n, int64_
         for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * c), acc[c]);
       }
     }
-    for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_div_ps(acc[c], lv));
+    for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(acc_mem + d0 + 8 * c, acc[c]);
   }
 }
 
 struct Scratch {
   std::vector<const float*> krow, vrow;
-  std::vector<float> s;
+  std::vector<float> s;   // [G, npos + 8] scores, then softmax numerators
+  std::vector<float> l;   // [G] softmax denominators
 };
 
 // One unit: slot `slot`, its query rows [j0, j1), KV head `kvh`. Returns false on a page
@@ -194,7 +207,6 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
   const int64_t npos = kv_len - q_len + live_end;
   w.krow.resize(npos + 4);
   w.vrow.resize(npos + 4);
-  w.s.resize(npos + 8);
   const int32_t* pt = a.pt + slot * a.P;
   const int64_t row_stride = a.KVH * D, page_stride = a.ps * row_stride;
   for (int64_t i = 0, pg = 0; i < npos; ++pg) {
@@ -206,16 +218,30 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
       w.vrow[i] = a.v + base + o * row_stride;
     }
   }
+  // Per row, the G query heads that share this KV head go through the keys together in
+  // blocks of kKeyBlock, so each block of K (then V) is read from memory once, not G times.
+  w.s.resize(G * (npos + 8));
+  w.l.resize(G);
   for (int64_t j = j0; j < live_end; ++j) {
     const int64_t pos = kv_len - q_len + j;
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
     const int64_t n = pos - lo + 1;
+    const float* q0 = a.q + ((row0 + j) * a.H + kvh * G) * D;    // G heads, adjacent
+    float* o0 = a.out + ((row0 + j) * a.H + kvh * G) * D;
+    for (int64_t b = 0; b < n; b += kKeyBlock)
+      for (int64_t g = 0; g < G; ++g)
+        scores(q0 + g * D, w.krow.data() + lo + b, std::min(kKeyBlock, n - b), D, a.sm_scale,
+               w.s.data() + g * (npos + 8) + b);
+    for (int64_t g = 0; g < G; ++g) w.l[g] = softmax_numerators(w.s.data() + g * (npos + 8), n, a.soft_cap);
+    std::memset(o0, 0, G * D * sizeof(float));
+    for (int64_t b = 0; b < n; b += kKeyBlock)
+      for (int64_t g = 0; g < G; ++g)
+        weighted_values(w.s.data() + g * (npos + 8) + b, w.vrow.data() + lo + b,
+                        std::min(kKeyBlock, n - b), D, o0 + g * D);
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = kvh * G + g;
-      const float* q = a.q + ((row0 + j) * a.H + h) * D;
-      scores(q, w.krow.data() + lo, n, D, a.sm_scale, w.s.data());
-      const float l = softmax_numerators(w.s.data(), n, a.soft_cap);
-      weighted_values(w.s.data(), w.vrow.data() + lo, n, D, l, a.out + ((row0 + j) * a.H + h) * D);
+      const __m256 lv = _mm256_set1_ps(w.l[g]);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o0 + g * D + d, _mm256_div_ps(_mm256_loadu_ps(o0 + g * D + d), lv));
     }
   }
   return true;

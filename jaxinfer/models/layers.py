@@ -93,10 +93,15 @@ def embed_lookup(emb: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Arr
 # Batch invariance. XLA:CPU picks its dot kernel by the number of rows M: one kernel for
 # M == 1, another for 2 <= M <= 32, another for M >= 33 (measured for every SmolLM2
 # weight shape with K = 576; K = 1536 has only the first split). Each kernel sums over K
-# in its own order, so a token's activations depend on how many other tokens share its
-# step. ``tiled_matmul`` keeps every dot in the 2..32-row regime: a lone row is padded to
-# two, and a larger T is cut into 32-row tiles run one after another (lax.map keeps the
-# HLO small). A row's result is then the same bits whatever else is in the batch.
+# in its own order, so a token's activations would depend on how many other tokens share
+# its step. Two answers, picked in one place (``float_matmul``):
+#  * float32 weights on the CPU backend with the C++ kernel built (pallas_kernels/
+#    cpu_f32_matmul.py): every output is one k-ordered FMA chain whatever M, so the kernel
+#    is batch-invariant by construction and serves both ``matmul`` and ``tiled_matmul``;
+#  * otherwise (bf16 weights, no compiler, TPU / GPU): XLA's dot, and ``tiled_matmul``
+#    keeps every dot in the 2..32-row regime: a lone row is padded to two, and a larger T
+#    is cut into 32-row tiles run one after another (lax.map keeps the HLO small). A row's
+#    result is then the same bits whatever else is in the batch.
 INVARIANT_TILE = 32
 
 
@@ -124,19 +129,24 @@ def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     return tiled_matmul(x, dequantize(w).astype(x.dtype))
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N]: XLA's choice of kernel (fastest, not batch-invariant).
-    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
-    if _is_quantized(w):
-        return quantized_matmul(x, w, invariant=False)
-    return x @ w
+def _f32_kernel_applies(w: jax.Array) -> bool:
+    """float32 weight on the CPU backend and the C++ f32 kernel built (built on first ask)."""
+    if w.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels import cpu_f32_matmul
+    return cpu_f32_matmul.available()
 
 
-def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above). ``w`` may be a
-    QuantizedWeight: see quantized_matmul."""
-    if _is_quantized(w):
-        return quantized_matmul(x, w, invariant=True)
+def float_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x [T, K] @ a float weight w [K, N] -> [T, N], the one place that picks the path:
+    float32 on CPU with the kernel built -> pallas_kernels/cpu_f32_matmul.py (batch-invariant
+    by construction, so both engines use it; inside shard_map it sees the local shards);
+    otherwise XLA's dot (``invariant``: in fixed row tiles, see above)."""
+    if _f32_kernel_applies(w):
+        from pallas_kernels import cpu_f32_matmul
+        return cpu_f32_matmul.f32_matmul(x.astype(jnp.float32), w)   # x @ w is f32 here too
+    if not invariant:
+        return x @ w
     T = x.shape[0]
     if T == 1:
         return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]
@@ -146,3 +156,21 @@ def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     xp = jnp.pad(x, ((0, n * INVARIANT_TILE - T), (0, 0)))
     y = jax.lax.map(lambda xt: xt @ w, xp.reshape(n, INVARIANT_TILE, x.shape[1]))
     return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N], the plain engine's dot: the f32 C++ kernel on CPU,
+    else XLA's choice of kernel (fastest, not batch-invariant); see float_matmul.
+    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
+    if _is_quantized(w):
+        return quantized_matmul(x, w, invariant=False)
+    return float_matmul(x, w, invariant=False)
+
+
+def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above): the f32 C++
+    kernel on CPU, else XLA in fixed row tiles. ``w`` may be a QuantizedWeight: see
+    quantized_matmul."""
+    if _is_quantized(w):
+        return quantized_matmul(x, w, invariant=True)
+    return float_matmul(x, w, invariant=True)

@@ -1,0 +1,376 @@
+// float32 matmul for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_f32_matmul.py).
+//
+//   y[m, n] = sum_k x[m, k] * w[k, n]      x f32 [M, K], w f32 [K, N] (row-major, as stored)
+//
+// Why it exists: XLA:CPU picks its dot kernel by M and each one sums over K in its own
+// order, so a token's logits depended on how many tokens shared its step; the engine's
+// batch-invariant mode therefore ran every dot in fixed 32-row tiles (layers.tiled_matmul),
+// which cost a third of batch-1 decode speed. Here every output is ONE k-ordered FMA chain,
+//
+//   acc = 0;  for k = 0 .. K-1:  acc = fma(x[m, k], w[k, n], acc);  y[m, n] = acc
+//
+// on every path (decode tiles, the GEMM micro-tile, the scalar tail column, any thread).
+// The GEMM cuts K into blocks and keeps the running sum in y between blocks: a float
+// stored and reloaded is the same float, so the chain is unchanged. An output therefore
+// depends on its own row of x and the weights only, never on M, on the tile or thread that
+// computes it or on which rows share the call: bitwise batch-invariant by construction.
+//
+// Two paths, both reading w in its stored [K, N] layout (the model's nnx Params stay as
+// they are for sharding and checkpoints):
+//
+//  * decode, M <= 3: rows x 8C-column register tiles run down the whole of K straight
+//    from w, so the weights stream from memory once at bandwidth (what bounds decode).
+//  * GEMM, M >= 4: unit = one 16-column panel of y. Per K block, the unit copies its
+//    w[kc, 16] slice into a contiguous buffer (w's row stride maps a column panel onto a
+//    few cache sets; the copy makes it 64 bytes a k and keeps it in L1), then 6x16
+//    register tiles (12 accumulators, 2 weight vectors, 1 broadcast of x) sweep all M rows.
+//    The K block is sized so that the x[M, kc] slice stays in L2.
+//
+// Work is cut in units that the caller and XLA's intra-op thread pool claim from one
+// atomic counter (as in int8_matmul.cc): no thread waits for a task that has not started,
+// so concurrent calls cannot deadlock the pool. Each thread sets MXCSR to IEEE denormals
+// (no flush-to-zero) while it works, so an output cannot depend on which thread ran it.
+//
+// x86-64 with AVX2 and FMA only (the build passes -mno-avx512f); elsewhere the build fails
+// and the engine keeps XLA's path.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the CPU f32 kernel needs x86-64 with AVX2 and FMA"
+#endif
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Tuning knobs (a benchmark may rebuild with -D to compare).
+#ifndef JAXINFER_INLINE_MACS
+#define JAXINFER_INLINE_MACS (1 << 15)
+#endif
+#ifndef JAXINFER_DECODE_ROWS
+#define JAXINFER_DECODE_ROWS 3
+#endif
+#ifndef JAXINFER_DECODE_VECS
+#define JAXINFER_DECODE_VECS 8
+#endif
+#ifndef JAXINFER_PREFETCH
+#define JAXINFER_PREFETCH 16
+#endif
+#ifndef JAXINFER_PF_STEP
+#define JAXINFER_PF_STEP 2
+#endif
+#ifndef JAXINFER_MAX_KC
+#define JAXINFER_MAX_KC 256
+#endif
+constexpr int64_t kInlineMacs = JAXINFER_INLINE_MACS;  // below: no helper thread
+constexpr int kDecodeRows = JAXINFER_DECODE_ROWS;      // M up to this: the decode path
+static_assert(kDecodeRows >= 0 && kDecodeRows <= 3, "decode tiles exist for 1 to 3 rows");
+constexpr int kDecodeVecs = JAXINFER_DECODE_VECS;      // M == 1 tile width, in 8-float vectors
+constexpr int kPrefetch = JAXINFER_PREFETCH;           // decode: rows of w to prefetch ahead
+constexpr int kMR = 6, kNR = 16;                       // GEMM register tile
+constexpr int64_t kMaxKc = JAXINFER_MAX_KC;            // GEMM K block: at most 16 KiB of w
+constexpr int64_t kL2Floats = 64 * 1024;               // x[M, kc] kept under 256 KiB
+
+struct Mat {
+  const float* x;  // [M, K]
+  const float* w;  // [K, N]
+  float* y;        // [M, N]
+  int64_t M, K, N;
+};
+
+// ---------------------------------------------------------------------------------------
+// Decode: rows [m0, m0 + R) x columns [n0, n0 + 8C), the whole of K, straight from w.
+// ---------------------------------------------------------------------------------------
+
+template <int R, int C>
+void decode_tile(const Mat& p, int64_t m0, int64_t n0) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  const float* w = p.w + n0;
+  for (int64_t k = 0; k < p.K; ++k) {
+    // Each row of a tile is a new page of a wide weight: prefetch ahead, every cache line.
+    const float* ahead = w + std::min(k + kPrefetch, p.K - 1) * p.N;
+    for (int c = 0; c < C; c += JAXINFER_PF_STEP) __builtin_prefetch(ahead + 8 * c);
+    const float* wk = w + k * p.N;
+    if constexpr (R == 1) {
+      const __m256 xb = _mm256_set1_ps(x[k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[0][c] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 8 * c), acc[0][c]);
+    } else {
+      __m256 xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(x[r * p.K + k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m256 wc = _mm256_loadu_ps(wk + 8 * c);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xb[r], wc, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(p.y + (m0 + r) * p.N + n0 + 8 * c, acc[r][c]);
+}
+
+#ifndef JAXINFER_ROW_KB
+#define JAXINFER_ROW_KB 8
+#endif
+#ifndef JAXINFER_ROW_UNITS
+#define JAXINFER_ROW_UNITS 2
+#endif
+constexpr int kRowKb = JAXINFER_ROW_KB;
+
+// M == 1, vectors [v0, v1) of y: k in blocks of kRowKb rows, each block swept in 8-vector
+// register tiles whose sums wait in y between blocks. So w is read as kRowKb sequential
+// streams over the unit's whole width (a unit is 1/4 of N with 2 threads): measured on
+// the 576 x 49152 head, 34 GB/s vs 17-19 for 64-column tiles running down all of K.
+void row_unit(const Mat& p, int64_t v0, int64_t v1) {
+  float* part = p.y + v0 * 8;   // y holds the partial sums between K blocks
+  const int64_t nv = v1 - v0;
+  const float* w = p.w + v0 * 8;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kRowKb) {
+    const int64_t k1 = std::min<int64_t>(p.K, k0 + kRowKb);
+    for (int64_t t = 0; t < nv; t += 8) {
+      const int cv = static_cast<int>(std::min<int64_t>(8, nv - t));
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c)
+        acc[c] = (k0 == 0 || c >= cv) ? _mm256_setzero_ps() : _mm256_loadu_ps(part + 8 * (t + c));
+      if (cv == 8) {
+        for (int64_t k = k0; k < k1; ++k) {
+          const __m256 xb = _mm256_set1_ps(p.x[k]);
+          const float* wk = w + k * p.N + 8 * t;
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 8 * c), acc[c]);
+        }
+      } else {
+        for (int64_t k = k0; k < k1; ++k) {
+          const __m256 xb = _mm256_set1_ps(p.x[k]);
+          const float* wk = w + k * p.N + 8 * t;
+          for (int c = 0; c < cv; ++c) acc[c] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 8 * c), acc[c]);
+        }
+      }
+      for (int c = 0; c < cv; ++c) _mm256_storeu_ps(part + 8 * (t + c), acc[c]);
+    }
+  }
+}
+
+// Columns [n0, n0 + 8 * cvecs) of rows [m0, m0 + R), cvecs <= CMax.
+template <int R, int CMax>
+void decode_cols(const Mat& p, int64_t m0, int64_t n0, int64_t cvecs) {
+  if (cvecs == CMax) return decode_tile<R, CMax>(p, m0, n0);
+  if constexpr (CMax > 1) decode_cols<R, CMax - 1>(p, m0, n0, cvecs);
+}
+
+// Scalar columns [n0, n1) of every row: the same k-ordered fma chain.
+void scalar_cols(const Mat& p, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < p.K; ++k) acc = std::fma(p.x[m * p.K + k], p.w[k * p.N + n], acc);
+      p.y[m * p.N + n] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM: 6x16 register tiles over a packed w[kc, 16] panel.
+// ---------------------------------------------------------------------------------------
+
+// c[R, 16] (ldc) += x[R, kc] (ldx) @ b[kc, 16]: the register tile. The accumulators live
+// in registers for the whole loop (no branches in here: GCC then keeps the arrays in ymm).
+template <int R>
+__attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const float* b, int64_t kc,
+                                          float* c, int64_t ldc) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    a0[r] = _mm256_loadu_ps(c + r * ldc);
+    a1[r] = _mm256_loadu_ps(c + r * ldc + 8);
+  }
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc, a0[r]);
+    _mm256_storeu_ps(c + r * ldc + 8, a1[r]);
+  }
+}
+
+// y[m0 .. m0+R, n0 .. n0+ncols) (+)= x[m0 .. m0+R, k0 .. k0+kc) @ b[kc, 16]. `first`: the
+// chain starts at zero; otherwise it continues from the partial sums stored in y.
+template <int R>
+void gemm_tile(const Mat& p, int64_t m0, int64_t n0, int ncols, int64_t k0, int64_t kc,
+               const float* b, bool first) {
+  float* y = p.y + m0 * p.N + n0;
+  const float* x = p.x + m0 * p.K + k0;
+  if (ncols == kNR) {
+    if (first)
+      for (int r = 0; r < R; ++r) std::memset(y + r * p.N, 0, kNR * sizeof(float));
+    return micro_tile<R>(x, p.K, b, kc, y, p.N);
+  }
+  alignas(32) float edge[R * kNR];      // a partial last panel goes through here
+  std::memset(edge, 0, sizeof(edge));
+  if (!first)
+    for (int r = 0; r < R; ++r) std::memcpy(edge + r * kNR, y + r * p.N, ncols * sizeof(float));
+  micro_tile<R>(x, p.K, b, kc, edge, kNR);
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * p.N, edge + r * kNR, ncols * sizeof(float));
+}
+
+void gemm_rows(const Mat& p, int64_t m0, int64_t rows, int64_t n0, int ncols, int64_t k0,
+               int64_t kc, const float* b, bool first) {
+  switch (rows) {
+    case 1: return gemm_tile<1>(p, m0, n0, ncols, k0, kc, b, first);
+    case 2: return gemm_tile<2>(p, m0, n0, ncols, k0, kc, b, first);
+    case 3: return gemm_tile<3>(p, m0, n0, ncols, k0, kc, b, first);
+    case 4: return gemm_tile<4>(p, m0, n0, ncols, k0, kc, b, first);
+    case 5: return gemm_tile<5>(p, m0, n0, ncols, k0, kc, b, first);
+    default: return gemm_tile<6>(p, m0, n0, ncols, k0, kc, b, first);
+  }
+}
+
+// One 16-column panel of y, all M rows.
+void gemm_panel(const Mat& p, int64_t panel, int64_t kc_max) {
+  alignas(64) float b[kMaxKc * kNR];   // w[k0 .. k0+kc, n0 .. n0+16), zero past column N
+  const int64_t n0 = panel * kNR;
+  const int ncols = static_cast<int>(std::min<int64_t>(kNR, p.N - n0));
+  for (int64_t k0 = 0; k0 < p.K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, p.K - k0);
+    const float* w = p.w + k0 * p.N + n0;
+    if (ncols == kNR) {
+      for (int64_t k = 0; k < kc; ++k) {
+        __builtin_prefetch(w + std::min(k + kPrefetch, p.K - 1 - k0) * p.N);
+        _mm256_store_ps(b + k * kNR, _mm256_loadu_ps(w + k * p.N));
+        _mm256_store_ps(b + k * kNR + 8, _mm256_loadu_ps(w + k * p.N + 8));
+      }
+    } else {
+      for (int64_t k = 0; k < kc; ++k) {
+        std::memset(b + k * kNR, 0, kNR * sizeof(float));
+        std::memcpy(b + k * kNR, w + k * p.N, ncols * sizeof(float));
+      }
+    }
+    for (int64_t m0 = 0; m0 < p.M; m0 += kMR)
+      gemm_rows(p, m0, std::min<int64_t>(kMR, p.M - m0), n0, ncols, k0, kc, b, k0 == 0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Work sharing
+// ---------------------------------------------------------------------------------------
+
+// IEEE denormals on this thread while alive (XLA's threads may differ in MXCSR).
+struct IeeeDenormals {
+  unsigned saved = _mm_getcsr();
+  IeeeDenormals() { _mm_setcsr(saved & ~(_MM_FLUSH_ZERO_ON | 0x0040u /* DAZ */)); }
+  ~IeeeDenormals() { _mm_setcsr(saved); }
+};
+
+struct Work {
+  std::function<void(int64_t)> run;
+  int64_t units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    IeeeDenormals mode;
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      run(u);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs work->run(0 .. units-1) on the caller and up to num_threads - 1 pool threads.
+void share(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs) {
+  // Small products run on the caller alone: a helper costs microseconds to wake.
+  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
+  helpers = std::min(helpers, work->units - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  // Every unit is claimed now; wait only for units a running helper claimed.
+  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
+}
+
+template <int R>
+void decode_units(Work& work, const Mat& p, int64_t m0, int64_t nvec) {
+  // M == 1 is pure streaming (8 chains hide the FMA latency); more rows need registers.
+  constexpr int C = R == 1 ? kDecodeVecs : (R == 2 ? 6 : 4);
+  const int64_t tiles = (nvec / 8 + C - 1) / C;
+  const bool tail = nvec < p.N;
+  work.units = tiles + (tail ? 1 : 0);
+  work.run = [p, m0, nvec, tiles](int64_t u) {
+    if (u == tiles) return scalar_cols(p, nvec, p.N);
+    const int64_t n0 = u * 8 * C;
+    decode_cols<R, C>(p, m0, n0, std::min<int64_t>(C, (nvec - n0) / 8));
+  };
+}
+
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("f32_matmul: expected x [M, K] and w [K, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (wd[0] != K)
+    return ffi::Error::InvalidArgument("f32_matmul: x [M, K] and w [K, N] disagree on K");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(y->typed_data(), 0, M * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  const Mat p{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N};
+  auto work = std::make_shared<Work>();
+  const int64_t nvec = N / 8 * 8;
+#ifndef JAXINFER_NO_ROWS
+  if (M == 1) {
+    const int64_t vecs = nvec / 8;
+    const int64_t split = JAXINFER_ROW_UNITS * std::max<int64_t>(1, pool.num_threads());
+    const int64_t per = std::max<int64_t>(1, (vecs + split - 1) / split);
+    const int64_t units = (vecs + per - 1) / per;
+    work->units = units + (nvec < N ? 1 : 0);
+    work->run = [p, per, vecs, units, nvec](int64_t u) {
+      if (u == units) return scalar_cols(p, nvec, p.N);
+      row_unit(p, u * per, std::min(vecs, (u + 1) * per));
+    };
+  } else
+#endif
+  if (M <= kDecodeRows) {
+    switch (M) {
+      case 1: decode_units<1>(*work, p, 0, nvec); break;
+      case 2: decode_units<2>(*work, p, 0, nvec); break;
+      default: decode_units<3>(*work, p, 0, nvec); break;
+    }
+  } else {
+    const int64_t kc = std::clamp<int64_t>(kL2Floats / M / 8 * 8, 64, kMaxKc);
+    work->units = (N + kNR - 1) / kNR;
+    work->run = [p, kc](int64_t u) { gemm_panel(p, u, kc); };
+  }
+  share(pool, work, M * K * N);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

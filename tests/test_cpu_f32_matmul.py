@@ -1,0 +1,131 @@
+"""The CPU float32 matmul (pallas_kernels/cpu_f32_matmul.py + cpu/f32_matmul.cc, via
+jax.ffi): values against numpy float64, bitwise batch invariance (a row's bits do not
+depend on the other rows or on M, across the decode and GEMM paths), errors, and that
+layers.matmul / tiled_matmul route float32 weights to it on CPU (bf16 stays with XLA)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models import layers as L
+from pallas_kernels import cpu_f32_matmul as F
+
+# Without a compiler the engine keeps XLA's dots (test_without_the_kernel_xla_paths).
+needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                  reason="no C++ compiler: the CPU f32 kernel cannot be built here")
+
+
+def _rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _tol(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """f32 FMA chain over K terms: error <= ~K * eps * sum|x w| (a bound, ~sqrt(K) typical)."""
+    return 2 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(w))
+
+
+@needs_kernel
+def test_kernel_builds_and_registers():
+    assert F.available(), F.unavailable_reason()
+    assert F.build() == F.build()            # cached: the second call compiles nothing
+
+
+# (K, N): SmolLM2's (576, 192); odd K; N with a scalar tail (not a multiple of 8) and a
+# partial 16-column GEMM panel; N smaller than one vector.
+SHAPES = [(576, 192), (77, 37), (64, 200), (130, 5)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_values_and_bitwise_batch_invariance(K, N):
+    assert F.available()
+    w = _rand((K, N), 0)
+    xs = _rand((100, K), 1)
+    wj = jnp.asarray(w)
+    full = np.asarray(F.f32_matmul(jnp.asarray(xs), wj))               # GEMM path, M = 100
+    assert np.all(np.abs(full - F.f32_matmul_reference(xs, w)) <= _tol(xs, w))
+    # M = 1..3 take the decode tiles, larger M the GEMM: a row's bits are the same in all
+    for M in (1, 2, 5, 33):
+        got = np.asarray(F.f32_matmul(jnp.asarray(xs[:M]), wj))
+        np.testing.assert_array_equal(got, full[:M], err_msg=f"M={M}")
+    # each row alone, and the rows in another company (reversed, inside a bigger batch)
+    alone = np.concatenate([np.asarray(F.f32_matmul(jnp.asarray(xs[i:i + 1]), wj))
+                            for i in range(0, 100, 7)])
+    np.testing.assert_array_equal(alone, full[::7])
+    rev = np.asarray(F.f32_matmul(jnp.asarray(xs[::-1][:64]), wj))
+    np.testing.assert_array_equal(rev, full[::-1][:64])
+
+
+@needs_kernel
+def test_large_k_blocks_keep_the_chain():
+    """M = 512 cuts K = 1536 into blocks (partial sums kept in y between them): a row's bits
+    still equal the same row computed alone, in one unbroken chain."""
+    K, N = 1536, 48
+    x, w = _rand((512, K), 2), _rand((K, N), 3)
+    full = np.asarray(F.f32_matmul(jnp.asarray(x), jnp.asarray(w)))
+    assert np.all(np.abs(full - F.f32_matmul_reference(x, w)) <= _tol(x, w))
+    for i in (0, 257, 511):
+        np.testing.assert_array_equal(np.asarray(F.f32_matmul(jnp.asarray(x[i:i + 1]), jnp.asarray(w))),
+                                      full[i:i + 1])
+
+
+@needs_kernel
+def test_inside_jit_and_empty_batch():
+    w = jnp.asarray(_rand((64, 24), 4))
+    x = jnp.asarray(_rand((3, 64), 5))
+    y = jax.jit(F.f32_matmul)(x, w)
+    assert y.dtype == jnp.float32 and y.shape == (3, 24)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(F.f32_matmul(x, w)))
+    assert F.f32_matmul(jnp.zeros((0, 64)), w).shape == (0, 24)
+
+
+def test_errors_name_the_problem():
+    w = jnp.zeros((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"x: expected \[M, K=64\]"):
+        F.f32_matmul(jnp.zeros((2, 32)), w)
+    with pytest.raises(ValueError, match="must be float32"):
+        F.f32_matmul(jnp.zeros((2, 64), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="must be float32"):
+        F.f32_matmul(jnp.zeros((2, 64)), w.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\]"):
+        F.f32_matmul(jnp.zeros((64,)), w)
+
+
+@needs_kernel
+def test_layers_route_f32_weights_to_the_kernel():
+    """Both engines' dots send float32 weights to the kernel (its bits, for any T), and
+    keep bf16 weights on XLA's dot."""
+    assert jax.default_backend() == "cpu"
+    w = jnp.asarray(_rand((96, 40), 6))
+    x = jnp.asarray(_rand((45, 96), 7))
+    want = np.asarray(F.f32_matmul(x, w))
+    for mm in (L.matmul, L.tiled_matmul):
+        for T in (1, 2, 45):
+            np.testing.assert_array_equal(np.asarray(jax.jit(mm)(x[:T], w)), want[:T])
+        hlo = jax.jit(mm).lower(x, w).as_text()
+        assert F.TARGET in hlo
+    wb, xb = w.astype(jnp.bfloat16), x.astype(jnp.bfloat16)
+    for mm in (L.matmul, L.tiled_matmul):
+        assert F.TARGET not in jax.jit(mm).lower(xb, wb).as_text()
+
+
+def test_without_the_kernel_xla_paths(monkeypatch):
+    """A host without a compiler: float weights go to XLA's dot (tiled for invariance)."""
+    monkeypatch.setattr(F, "available", lambda: False)
+    # shapes no other test jits layers.matmul with: jit's trace cache would replay the kernel
+    w = jnp.asarray(_rand((88, 40), 6))
+    x = jnp.asarray(_rand((45, 88), 7))
+    for mm in (L.matmul, L.tiled_matmul):
+        lowered = jax.jit(mm).lower(x, w).as_text()
+        assert F.TARGET not in lowered
+        np.testing.assert_allclose(np.asarray(mm(x, w)), np.asarray(x) @ np.asarray(w),
+                                   rtol=1e-5, atol=1e-4)
+    # tiled_matmul's own invariance (the XLA path): a row alone == the row in the batch
+    np.testing.assert_array_equal(np.asarray(L.tiled_matmul(x[:1], w)),
+                                  np.asarray(L.tiled_matmul(x, w))[:1])

@@ -2,7 +2,8 @@
 
     python benchmarks/kernels.py               # on a TPU / GPU: attention + quantized matmul
     python benchmarks/kernels.py --cpu-quant   # on CPU: f32 vs int8 vs int4 weights (XLA path)
-                                               # and the int8 C++ kernel (jax.ffi)
+                                               # and the int8 C++ kernel (jax.ffi), then --cpu-f32
+    python benchmarks/kernels.py --cpu-f32     # on CPU: the f32 C++ kernel vs XLA's dot
     python benchmarks/kernels.py --smoke tpu   # on CPU: the accelerator code, interpreted
 
 On a TPU or GPU it times, on the same inputs:
@@ -38,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pallas_kernels import cpu_matmul  # noqa: E402
+from jaxinfer.models import layers as L  # noqa: E402
+from pallas_kernels import cpu_f32_matmul, cpu_matmul  # noqa: E402
 from pallas_kernels.quantized_matmul import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
                                              quantized_matmul_xla)
 
@@ -275,6 +277,7 @@ def cpu_quant(args) -> None:
                   f"{gbs['f32']:8.1f} {gbs['int8']:9.1f} {gbs['int4']:9.1f}{extra}", flush=True)
         del wf, w8, w4, wk
     decode_pass(rng, args)
+    cpu_f32(args)
 
 
 def _mm_any(x, w):
@@ -339,11 +342,54 @@ def decode_pass(rng, args) -> None:
               f"({1 / t:5.1f} tok/s): compile with XLA_CPU_COMPILER_OPTIONS", flush=True)
 
 
+def cpu_f32(args) -> None:
+    """The f32 C++ kernel (pallas_kernels/cpu_f32_matmul.py; batch-invariant by construction)
+    against XLA's dot (plain: not invariant) and the XLA tiled path (the invariant engine's
+    dot without the kernel): SmolLM2 decode passes, then 512-row prefill GEMMs."""
+    if not cpu_f32_matmul.available():
+        print(f"\nf32 C++ kernel unavailable: {cpu_f32_matmul.unavailable_reason()}")
+        return
+    rng = np.random.default_rng(0)
+    c = SMOL
+    shapes = [(c["hidden"], c["q"]), (c["hidden"], c["kv"]), (c["hidden"], c["kv"]),
+              (c["q"], c["hidden"]), (c["hidden"], c["mlp"]), (c["hidden"], c["mlp"]),
+              (c["mlp"], c["hidden"])]
+    layers = [[jnp.asarray(0.02 * rng.standard_normal(s), jnp.float32) for s in shapes]
+              for _ in range(c["layers"])]
+    head = jnp.asarray(0.02 * rng.standard_normal((c["hidden"], c["vocab"])), jnp.float32)
+    nbytes = sum(w.size * 4 for layer in layers for w in layer) + head.size * 4
+    mms = {"XLA dot": _mm_f32, "XLA tiled (invariant)": lambda x, w: L.xla_matmul(x, w, True),
+           "f32 kernel": cpu_f32_matmul.f32_matmul}
+    print(f"\nf32 C++ kernel, SmolLM2-135M decode pass: all {7 * c['layers'] + 1} matmuls of "
+          f"one step ({nbytes / 1e6:.0f} MB of f32 weights), no attention")
+    for M in ((1, 32) if args.quick else (1, 2, 8, 32)):
+        x = jnp.asarray(rng.standard_normal((M, c["hidden"])), jnp.float32)
+        fns = {k: jax.jit(_decode_pass_fn(mm)) for k, mm in mms.items()}
+        t = timed(fns, {k: (x, layers, head) for k in fns}, rounds=3 if args.quick else 8)
+        for k, sec in t.items():
+            print(f"  M={M:2d} {k:22s} step {sec * 1e3:7.2f} ms   {M / sec:7.1f} tok/s   "
+                  f"{nbytes / sec / 1e9:5.1f} GB/s   {2 * M * nbytes / 4 / sec / 1e9:6.1f} GFLOP/s",
+                  flush=True)
+    del layers, head
+    print("\nf32 C++ kernel, prefill GEMM x[M, K] @ w[K, N] (2048^3: the ceiling), GFLOP/s")
+    gemms = [(512, 576, 576), (512, 576, 192), (512, 576, 1536), (512, 1536, 576),
+             (2048, 2048, 2048)]
+    for M, K, N in gemms[2:] if args.quick else gemms:
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+        fns = {k: jax.jit(mm) for k, mm in mms.items()}
+        t = timed(fns, {k: (x, w) for k in fns}, rounds=3 if args.quick else 8)
+        print(f"  {M}x{K}x{N:<5d} " + "   ".join(f"{k} {2 * M * K * N / s / 1e9:6.1f}"
+                                                   for k, s in t.items()), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-quant", action="store_true",
                    help="on CPU: time the XLA quantized-matmul path at SmolLM2 shapes")
+    p.add_argument("--cpu-f32", action="store_true",
+                   help="on CPU: time the f32 C++ kernel against XLA's dot (decode pass, GEMM)")
     p.add_argument("--group", type=int, default=64,
                    help="int4 group size for --cpu-quant (SmolLM2's K = 576 needs 64 or 32)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
@@ -375,8 +421,10 @@ def main(argv=None) -> int:
           f"(backend is {backend}); run it on an accelerator.")
     if args.cpu_quant:
         cpu_quant(args)
+    elif args.cpu_f32:
+        cpu_f32(args)
     else:
-        print("(--cpu-quant times the CPU XLA quantized-matmul path instead)")
+        print("(--cpu-quant / --cpu-f32 time the CPU matmul paths instead)")
     return 0
 
 

@@ -145,6 +145,11 @@ def float_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     if _f32_kernel_applies(w):
         from pallas_kernels import cpu_f32_matmul
         return cpu_f32_matmul.f32_matmul(x.astype(jnp.float32), w)   # x @ w is f32 here too
+    return xla_matmul(x, w, invariant)
+
+
+def xla_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N] by XLA's dot; ``invariant``: in fixed row tiles."""
     if not invariant:
         return x @ w
     T = x.shape[0]

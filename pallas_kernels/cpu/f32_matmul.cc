@@ -42,6 +42,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the CPU f32 kernel needs x86-64 with AVX2 and FMA"
@@ -81,6 +82,15 @@ constexpr int kPrefetch = JAXINFER_PREFETCH;           // decode: rows of w to p
 constexpr int kMR = 6, kNR = 16;                       // GEMM register tile
 constexpr int64_t kMaxKc = JAXINFER_MAX_KC;            // GEMM K block: at most 16 KiB of w
 constexpr int64_t kL2Floats = 64 * 1024;               // x[M, kc] kept under 256 KiB
+#ifndef JAXINFER_WIDE_M
+#define JAXINFER_WIDE_M 64
+#endif
+#ifndef JAXINFER_MAX_WIDTH
+#define JAXINFER_MAX_WIDTH 512
+#endif
+constexpr int64_t kWideM = JAXINFER_WIDE_M;            // GEMM: M below this: wide units
+constexpr int64_t kMaxWidth = JAXINFER_MAX_WIDTH;      // wide units: at most this many columns
+constexpr int64_t kPackFloats = 32 * 1024;             // wide units: packed w under 128 KiB
 
 struct Mat {
   const float* x;  // [M, K]
@@ -246,28 +256,40 @@ void gemm_rows(const Mat& p, int64_t m0, int64_t rows, int64_t n0, int ncols, in
   }
 }
 
-// One 16-column panel of y, all M rows.
-void gemm_panel(const Mat& p, int64_t panel, int64_t kc_max) {
-  alignas(64) float b[kMaxKc * kNR];   // w[k0 .. k0+kc, n0 .. n0+16), zero past column N
-  const int64_t n0 = panel * kNR;
-  const int ncols = static_cast<int>(std::min<int64_t>(kNR, p.N - n0));
+// Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
+// w[k0 .. k0+kc, n0 .. n0+width) into panel-major b[width/16][kc][16] (zero past column N),
+// reading each row of w sequentially across the unit's width, then each panel's 6x16 tiles
+// sweep all rows. Narrow units (one panel) for large M keep b in L1; wide ones for small M
+// read w in long runs, which is what bounds them.
+void gemm_unit(const Mat& p, int64_t n0, int64_t width, int64_t kc_max) {
+  static thread_local std::vector<float> buf;
+  const int64_t panels = (std::min(width, p.N - n0) + kNR - 1) / kNR;
+  const int64_t need = panels * kc_max * kNR + 16;
+  if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+  float* b = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   for (int64_t k0 = 0; k0 < p.K; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, p.K - k0);
-    const float* w = p.w + k0 * p.N + n0;
-    if (ncols == kNR) {
-      for (int64_t k = 0; k < kc; ++k) {
-        __builtin_prefetch(w + std::min(k + kPrefetch, p.K - 1 - k0) * p.N);
-        _mm256_store_ps(b + k * kNR, _mm256_loadu_ps(w + k * p.N));
-        _mm256_store_ps(b + k * kNR + 8, _mm256_loadu_ps(w + k * p.N + 8));
-      }
-    } else {
-      for (int64_t k = 0; k < kc; ++k) {
-        std::memset(b + k * kNR, 0, kNR * sizeof(float));
-        std::memcpy(b + k * kNR, w + k * p.N, ncols * sizeof(float));
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* w = p.w + (k0 + k) * p.N + n0;
+      __builtin_prefetch(w + std::min(k + kPrefetch, p.K - 1 - k0) * p.N);
+      for (int64_t j = 0; j < panels; ++j) {
+        float* bj = b + (j * kc + k) * kNR;
+        const int64_t cols = std::min<int64_t>(kNR, p.N - n0 - j * kNR);
+        if (cols == kNR) {
+          _mm256_store_ps(bj, _mm256_loadu_ps(w + j * kNR));
+          _mm256_store_ps(bj + 8, _mm256_loadu_ps(w + j * kNR + 8));
+        } else {
+          std::memset(bj, 0, kNR * sizeof(float));
+          std::memcpy(bj, w + j * kNR, cols * sizeof(float));
+        }
       }
     }
-    for (int64_t m0 = 0; m0 < p.M; m0 += kMR)
-      gemm_rows(p, m0, std::min<int64_t>(kMR, p.M - m0), n0, ncols, k0, kc, b, k0 == 0);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int ncols = static_cast<int>(std::min<int64_t>(kNR, p.N - n0 - j * kNR));
+      for (int64_t m0 = 0; m0 < p.M; m0 += kMR)
+        gemm_rows(p, m0, std::min<int64_t>(kMR, p.M - m0), n0 + j * kNR, ncols, k0, kc,
+                  b + j * kc * kNR, k0 == 0);
+    }
   }
 }
 
@@ -358,9 +380,15 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       default: decode_units<3>(*work, p, 0, nvec); break;
     }
   } else {
-    const int64_t kc = std::clamp<int64_t>(kL2Floats / M / 8 * 8, 64, kMaxKc);
-    work->units = (N + kNR - 1) / kNR;
-    work->run = [p, kc](int64_t u) { gemm_panel(p, u, kc); };
+    int64_t kc = std::clamp<int64_t>(kL2Floats / M / 8 * 8, 64, kMaxKc);
+    int64_t width = kNR;
+    if (M < kWideM) {   // a few units per thread, each at most kMaxWidth columns
+      const int64_t split = 4 * std::max<int64_t>(1, pool.num_threads());
+      width = std::clamp<int64_t>((N + split - 1) / split, kNR, kMaxWidth) / kNR * kNR;
+      kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);
+    }
+    work->units = (N + width - 1) / width;
+    work->run = [p, width, kc](int64_t u) { gemm_unit(p, u * width, width, kc); };
   }
   share(pool, work, M * K * N);
   return ffi::Error::Success();

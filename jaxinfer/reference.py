@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import secrets
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxinfer.config import Logprob, SamplingParams
 from jaxinfer.attention.contiguous import contiguous_attention
-from jaxinfer.attention.xla import ragged_paged_attention
+from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
 from jaxinfer.models import layers as L
@@ -53,6 +53,14 @@ class RowResult:
     stop_reason: int | None = None
 
 
+@functools.lru_cache(maxsize=None)
+def _engine_attention(kv_dtype) -> Callable:
+    """The paged attention the engine picks for this backend and cache dtype
+    (attention/dispatch.py "auto": the C++ kernel on CPU for float32 pages, else the jnp
+    path), so this generator and the engine compute the same bits."""
+    return dispatch.select("auto", kv_dtype=kv_dtype)[1]
+
+
 def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len: int,
                                scale: float, window: int | None):
     """AttentionFn over per-layer pages [B * max_len / PAGE, PAGE, KVH, D], row b owning
@@ -68,7 +76,7 @@ def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len
 
     def attn(layer: int, q, k, v, cache):
         k_pages, v_pages = kvc.write_kv(cache[0], cache[1], k, v, slots)
-        o = ragged_paged_attention(q, k_pages, v_pages, kv_lens, q_lens, page_table,
+        o = _engine_attention(k_pages.dtype)(q, k_pages, v_pages, kv_lens, q_lens, page_table,
                                    num_decode=B if seq == 1 else 0,
                                    prefill_chunk=0 if seq == 1 else seq,
                                    sm_scale=scale, sliding_window=window)

@@ -76,19 +76,44 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
+    from pallas_kernels.quantized_matmul import QuantizedWeight
+
     for layer in model.layers:
         for fused, parts in FUSED:
             ws = [getattr(layer, p)[...] for p in parts]
-            if not all(getattr(w, "panel", 0) for w in ws):
+            if all(getattr(w, "panel", 0) for w in ws):
+                q = jnp.concatenate([w.q for w in ws], axis=0)              # panels: [N/32, K/2, 32, 2]
+                scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
+                value = QuantizedWeight(q, scales, 8, 0, ws[0].panel)
+            elif all(_f32_kernel_weight(w) for w in ws):
+                value = jnp.concatenate(ws, axis=1)                         # [K, N_q + N_k + N_v]
+            else:
                 continue
-            from pallas_kernels.quantized_matmul import QuantizedWeight
-
-            q = jnp.concatenate([w.q for w in ws], axis=0)              # panels: [N/32, K/2, 32, 2]
-            scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
-            setattr(layer, fused, nnx.Param(QuantizedWeight(q, scales, 8, 0, ws[0].panel)))
+            setattr(layer, fused, nnx.Param(value))
             for p in parts:
                 delattr(layer, p)
     return model
+
+
+def _f32_kernel_weight(w) -> bool:
+    from jaxinfer.models.layers import _f32_kernel_applies
+
+    return not hasattr(w, "scales") and _f32_kernel_applies(w)
+
+
+def fuse_float_for_cpu(model: nnx.Module) -> nnx.Module:
+    """A new module (the given one untouched) whose float32 q/k/v and gate/up weights are
+    fused for the CPU f32 kernel (pallas_kernels/cpu_f32_matmul.py: every output column is
+    its own k-ordered FMA chain, so the fused product is bitwise the separate ones); the
+    module itself where the kernel does not apply. Single-device models only (a fused
+    weight would shard differently)."""
+    from jaxinfer.models.layers import _f32_kernel_applies
+
+    w = model.layers[0].wq[...]
+    if not _f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
+        return model
+    graphdef, state = nnx.split(model)
+    return fuse_projections(nnx.merge(graphdef, state))
 
 
 def is_quantized(model: nnx.Module) -> bool:

@@ -129,3 +129,27 @@ def test_without_the_kernel_xla_paths(monkeypatch):
     # tiled_matmul's own invariance (the XLA path): a row alone == the row in the batch
     np.testing.assert_array_equal(np.asarray(L.tiled_matmul(x[:1], w)),
                                   np.asarray(L.tiled_matmul(x, w))[:1])
+
+
+@needs_kernel
+def test_float_engine_fuses_projections_bitwise():
+    """quantization.fuse_float_for_cpu: a new module (the given one untouched) whose q/k/v and
+    gate/up float32 weights are one weight each; the fused product is bitwise the separate
+    products (each output column is its own FMA chain)."""
+    import pathlib
+    import sys
+
+    from jaxinfer.quantization import fuse_float_for_cpu
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from tp_worker import tiny_loaded
+
+    model = tiny_loaded("llama_8q4kv").model
+    fused = fuse_float_for_cpu(model)
+    a, b = model.layers[0], fused.layers[0]
+    assert hasattr(a, "wq") and not hasattr(a, "wqkv")          # the original is untouched
+    assert hasattr(b, "wqkv") and hasattr(b, "w_gate_up") and not hasattr(b, "wq")
+    x = jnp.asarray(_rand((5, a.wq[...].shape[0]), 3))
+    for fused_name, parts in (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up"))):
+        want = np.concatenate([np.asarray(F.f32_matmul(x, getattr(a, p)[...])) for p in parts], axis=1)
+        np.testing.assert_array_equal(np.asarray(F.f32_matmul(x, getattr(b, fused_name)[...])), want)

@@ -3,7 +3,7 @@
 Each kernel is one C++ file against the XLA FFI headers that jaxlib ships, compiled on
 first use with the host's C++ compiler (``$CXX``, default ``g++``; x86-64 with AVX2 and
 FMA) and cached under ``$JAXINFER_KERNEL_CACHE`` (default ``~/.cache/jaxinfer/kernels``)
-by a hash of the source, the jax version, the compiler, the flags and the CPU's flags.
+by a hash of the source (and the headers beside it), the jax version, the compiler, the flags and the CPU's flags.
 Without a compiler (or on another CPU) loading fails with the reason, and the caller keeps
 XLA's path.
 """
@@ -50,7 +50,8 @@ def build(source: Path) -> Path:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
-    src = source.read_bytes()
+    # the source and every header beside it (the kernels share work_share.h)
+    src = b"\0".join([source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))])
     key = hashlib.sha256(b"\0".join([src, jax.__version__.encode(), cxx.encode(),
                                      " ".join(FLAGS).encode(), platform.machine().encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]

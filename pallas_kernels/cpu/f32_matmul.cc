@@ -50,10 +50,14 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "work_share.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxinfer_cpu::share;
+using jaxinfer_cpu::Work;
 
 // Tuning knobs (a benchmark may rebuild with -D to compare).
 #ifndef JAXINFER_INLINE_MACS
@@ -297,39 +301,6 @@ void gemm_unit(const Mat& p, int64_t n0, int64_t width, int64_t kc_max) {
 // Work sharing
 // ---------------------------------------------------------------------------------------
 
-// IEEE denormals on this thread while alive (XLA's threads may differ in MXCSR).
-struct IeeeDenormals {
-  unsigned saved = _mm_getcsr();
-  IeeeDenormals() { _mm_setcsr(saved & ~(_MM_FLUSH_ZERO_ON | 0x0040u /* DAZ */)); }
-  ~IeeeDenormals() { _mm_setcsr(saved); }
-};
-
-struct Work {
-  std::function<void(int64_t)> run;
-  int64_t units = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    IeeeDenormals mode;
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      run(u);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs work->run(0 .. units-1) on the caller and up to num_threads - 1 pool threads.
-void share(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs) {
-  // Small products run on the caller alone: a helper costs microseconds to wake.
-  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
-  helpers = std::min(helpers, work->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  // Every unit is claimed now; wait only for units a running helper claimed.
-  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
-}
-
 template <int R>
 void decode_units(Work& work, const Mat& p, int64_t m0, int64_t nvec) {
   // M == 1 is pure streaming (8 chains hide the FMA latency); more rows need registers.
@@ -390,7 +361,7 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     work->units = (N + width - 1) / width;
     work->run = [p, width, kc](int64_t u) { gemm_unit(p, u * width, width, kc); };
   }
-  share(pool, work, M * K * N);
+  share(pool, work, M * K * N, kInlineMacs);
   return ffi::Error::Success();
 }
 

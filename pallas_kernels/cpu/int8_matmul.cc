@@ -47,10 +47,14 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "work_share.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxinfer_cpu::share;
+using jaxinfer_cpu::Work;
 
 // Tuning knobs (a benchmark may rebuild with -D to compare).
 #ifndef JAXINFER_INLINE_MACS
@@ -224,35 +228,8 @@ void plain_tail(const Plain& p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Work sharing
+// The FFI handler (work shared over XLA's pool: work_share.h)
 // ---------------------------------------------------------------------------------------
-
-struct Work {
-  std::function<void(int64_t)> run;
-  int64_t units = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      run(u);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs work->run(0 .. units-1) on the caller and up to num_threads - 1 pool threads.
-// (An own helper thread that spins between calls measured no faster: the per-call cost
-// is not the wake-up.)
-void share(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs) {
-  // Small products run on the caller alone: a helper costs microseconds to wake.
-  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
-  helpers = std::min(helpers, work->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  // Every unit is claimed now; wait only for units a running helper claimed.
-  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
-}
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
@@ -286,7 +263,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       const int64_t m0 = (u % row_units) * kPackedRows;
       packed_rows(p, m0, std::min<int64_t>(kPackedRows, p.M - m0), u / row_units);
     };
-    share(pool, work, M * K * N);
+    share(pool, work, M * K * N, kInlineMacs);
     return ffi::Error::Success();
   }
 
@@ -306,7 +283,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                  std::min<int64_t>(kTileVecs, (p.nvec - n0) / 8));
     };
   }
-  share(pool, work, M * K * N);
+  share(pool, work, M * K * N, kInlineMacs);
   plain_tail(p);
   return ffi::Error::Success();
 }

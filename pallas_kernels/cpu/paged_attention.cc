@@ -41,6 +41,7 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "work_share.h"
 
 namespace ffi = xla::ffi;
 
@@ -247,21 +248,6 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
   return true;
 }
 
-struct Work {
-  std::function<bool(int64_t)> run;
-  int64_t units = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<bool> failed{false};
-
-  void drain() {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      if (!run(u)) failed.store(true, std::memory_order_relaxed);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_table,
@@ -288,22 +274,24 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   // Units: decode slots one each, prefill slots in blocks of kQueryBlock rows; x KVH.
   const int64_t qblocks = (a.chunk + kQueryBlock - 1) / kQueryBlock;
   const int64_t slot_units = a.num_decode + (a.S - a.num_decode) * qblocks;
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<jaxinfer_cpu::Work>();
+  auto failed = std::make_shared<std::atomic<bool>>(false);
   work->units = slot_units * a.KVH;
-  work->run = [a, qblocks](int64_t u) {
+  work->run = [a, qblocks, failed](int64_t u) {
     thread_local Scratch scratch;
     const int64_t su = u / a.KVH, kvh = u % a.KVH;
-    if (su < a.num_decode) return run_unit(a, su, 0, 1, kvh, scratch);
-    const int64_t p = su - a.num_decode, slot = a.num_decode + p / qblocks;
-    const int64_t j0 = (p % qblocks) * kQueryBlock;
-    return run_unit(a, slot, j0, std::min(a.chunk, j0 + kQueryBlock), kvh, scratch);
+    bool ok;
+    if (su < a.num_decode) {
+      ok = run_unit(a, su, 0, 1, kvh, scratch);
+    } else {
+      const int64_t p = su - a.num_decode, slot = a.num_decode + p / qblocks;
+      const int64_t j0 = (p % qblocks) * kQueryBlock;
+      ok = run_unit(a, slot, j0, std::min(a.chunk, j0 + kQueryBlock), kvh, scratch);
+    }
+    if (!ok) failed->store(true, std::memory_order_relaxed);
   };
-  int64_t helpers = macs < kInlineMacs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
-  helpers = std::min(helpers, work->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
-  if (work->failed.load()) return ffi::Error::InvalidArgument("paged_attention: a page index is out of range");
+  jaxinfer_cpu::share(pool, work, macs, kInlineMacs);
+  if (failed->load()) return ffi::Error::InvalidArgument("paged_attention: a page index is out of range");
   return ffi::Error::Success();
 }
 

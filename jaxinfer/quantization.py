@@ -96,9 +96,9 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
 
 
 def _f32_kernel_weight(w) -> bool:
-    from jaxinfer.models.layers import _f32_kernel_applies
+    from jaxinfer.models.layers import f32_kernel_applies
 
-    return not hasattr(w, "scales") and _f32_kernel_applies(w)
+    return not hasattr(w, "scales") and f32_kernel_applies(w)
 
 
 def fuse_float_for_cpu(model: nnx.Module) -> nnx.Module:
@@ -107,10 +107,10 @@ def fuse_float_for_cpu(model: nnx.Module) -> nnx.Module:
     its own k-ordered FMA chain, so the fused product is bitwise the separate ones); the
     module itself where the kernel does not apply. Single-device models only (a fused
     weight would shard differently)."""
-    from jaxinfer.models.layers import _f32_kernel_applies
+    from jaxinfer.models.layers import f32_kernel_applies
 
     w = model.layers[0].wq[...]
-    if not _f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
+    if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
         return model
     graphdef, state = nnx.split(model)
     return fuse_projections(nnx.merge(graphdef, state))

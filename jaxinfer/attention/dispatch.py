@@ -7,7 +7,7 @@ K/V pages, kv_lens, q_lens, page_table, and the static bucket layout.
   reference every kernel is tested against (bitwise batch-invariant on XLA:CPU).
 * ``cpp``: pallas_kernels/cpu_attention.py — a C++ kernel through jax.ffi for XLA:CPU,
   float32 pages (bitwise batch-invariant by construction). 5x the jnp path's speed on a
-  32-sequence decode, 1.4x on a 512-token prefill chunk (benchmarks/attention_cpu.py).
+  32-sequence decode, 1.8x on a 512-token prefill chunk (benchmarks/attention_cpu.py).
 * ``pallas``: pallas_kernels/ragged_paged_attention.py — the Mosaic kernel on TPU, the
   Triton kernel on GPU. Not available on CPU (its tests run it there in interpret mode).
 * ``auto``: ``pallas`` on TPU / GPU; on CPU ``cpp`` for float32 pages when the kernel

@@ -129,7 +129,7 @@ def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     return tiled_matmul(x, dequantize(w).astype(x.dtype))
 
 
-def _f32_kernel_applies(w: jax.Array) -> bool:
+def f32_kernel_applies(w: jax.Array) -> bool:
     """float32 weight on the CPU backend and the C++ f32 kernel built (built on first ask)."""
     if w.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return False
@@ -142,7 +142,7 @@ def float_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     float32 on CPU with the kernel built -> pallas_kernels/cpu_f32_matmul.py (batch-invariant
     by construction, so both engines use it; inside shard_map it sees the local shards);
     otherwise XLA's dot (``invariant``: in fixed row tiles, see above)."""
-    if _f32_kernel_applies(w):
+    if f32_kernel_applies(w):
         from pallas_kernels import cpu_f32_matmul
         return cpu_f32_matmul.f32_matmul(x.astype(jnp.float32), w)   # x @ w is f32 here too
     return xla_matmul(x, w, invariant)

@@ -20,7 +20,8 @@ With ``--quantization int8|int4`` the engine's weights are quantized at load tim
 llama-cpp-python is installed, llama.cpp runs the default model's own GGUF (Q4_1) in the
 same run (``--no-llama-cpp`` skips it).
 
-    python benchmarks/latency.py [--no-hf] [--hf-threads 2,1] [--no-batch-invariant] [--quantization int8] [--out /tmp/latency.json]
+    python benchmarks/latency.py [--no-hf] [--hf-threads 2,1] [--no-batch-invariant] [--quantization int8]
+        [--num-scheduler-steps 8] [--out /tmp/latency.json]
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def engine_config(args) -> dict:
                 batch_invariant=args.batch_invariant, num_pages=args.max_num_seqs * full + 8,
                 decode_buckets=tuple(decode), mixed_decode_buckets=(0,) if args.max_num_seqs == 1 else (0, args.max_num_seqs),
                 prefill_buckets=tuple((1, c) for c in chunks),
-                page_buckets=tuple(sorted({min(16, full), full})))
+                page_buckets=tuple(sorted({min(16, full), full})),
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def engine_request(engine, ids, n_new: int) -> dict:
@@ -96,6 +98,8 @@ def main() -> None:
                    help="JAX persistent compilation cache (a second run loads the executables: "
                         "warm start); default none, so compile time is the cold figure")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats (best kept)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decode: up to this many decode steps per device call (engine default 1)")
     C.add_hf_args(p)
     args = p.parse_args()
 
@@ -169,7 +173,8 @@ def main() -> None:
         ("workload", w["source"] + (" (SYNTHETIC)" if w["synthetic"] else "")),
         ("matmul ceiling f32 2048^3", f"{res['matmul_ceiling']['gflops']} GFLOP/s"),
         ("engine", f"batch_invariant={args.batch_invariant}, quantization={args.quantization}, "
-                   f"max_num_seqs={args.max_num_seqs}, {res['num_buckets']} buckets"),
+                   f"max_num_seqs={args.max_num_seqs}, num_scheduler_steps={args.num_scheduler_steps}, "
+                   f"{res['num_buckets']} buckets"),
         ("engine compile (warm-up)", f"{res['engine_compile_s']:.1f} s "
                                      f"(init {res['engine_init_s']:.1f} s, first run {res['engine_first_run_s']:.1f} s)"),
         ("ours decode", f"{od['decode_tok_s']:.1f} tok/s (e2e {od['e2e_tok_s']:.1f}, TTFT "

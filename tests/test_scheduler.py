@@ -421,3 +421,50 @@ def test_host_modules_never_import_jax():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_schedule_decode_run_bounds_pages_and_waiting():
+    """Multi-step decode runs (num_scheduler_steps): only when every running sequence
+    decodes and nobody could be admitted; k stops at the first max_tokens / max_model_len;
+    pages for all k positions are allocated up front, all or nothing."""
+    bm = BlockManager(num_pages=12, page_size=4)
+    s = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=40)
+    model = FakeModel(bm)
+    a = make_sequences("a", [1, 2, 3], SamplingParams(max_tokens=6))[0]
+    s.add(a)
+    assert s.schedule_decode_run(8) is None                  # a must prefill first
+    out = s.schedule()
+    s.postprocess(out, model.step(out))                      # a: 1 output, decoding now
+    run = s.schedule_decode_run(8)
+    assert run is not None and run[1] == 5                   # max_tokens 6, one already out
+    out, k = run
+    assert [e.seq for e in out.scheduled] == [a] and out.scheduled[0].num_new_tokens == 1
+    assert len(a.page_ids) * 4 >= a.num_computed_tokens + k  # pages for all k positions
+    assert s.schedule_decode_run(1) is None                  # k < 2: single steps
+    # Nothing could change (a computed nothing since): a second call asks for no new pages.
+    free = bm.num_free_pages
+    assert s.schedule_decode_run(8) is not None and bm.num_free_pages == free
+
+    b = make_sequences("b", [4, 5], SamplingParams(max_tokens=30))[0]
+    s.add(b)
+    assert s.schedule_decode_run(8) is None                  # b waits and could be admitted
+    out = s.schedule()
+    s.postprocess(out, model.step(out))
+    c = make_sequences("c", [6], SamplingParams(max_tokens=30))[0]
+    s.add(c)                                                 # max_num_seqs=2 running: c cannot join
+    run = s.schedule_decode_run(3)
+    assert run is not None and run[1] == 3 and {e.seq for e in run[0].scheduled} == {a, b}
+
+    # All or nothing: without free pages for every sequence's k positions, None and no change.
+    bm2 = BlockManager(num_pages=6, page_size=4)             # 5 usable pages
+    s2 = Scheduler(bm2, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=40)
+    m2 = FakeModel(bm2)
+    for rid in ("x", "y"):
+        s2.add(make_sequences(rid, [1, 2, 3], SamplingParams(max_tokens=18)))
+    out = s2.schedule()
+    s2.postprocess(out, m2.step(out))
+    pages = {q.seq_id: list(q.page_ids) for q in s2.running}
+    assert bm2.num_free_pages == 3
+    assert s2.schedule_decode_run(8) is None                 # needs 2 more pages each
+    assert {q.seq_id: list(q.page_ids) for q in s2.running} == pages
+    bm2.check_invariants()

@@ -156,11 +156,13 @@ class StepBatch:
 
 
 def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
-               rows_of: dict[int, int]) -> StepBatch:
-    """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence."""
+               rows_of: dict[int, int], lookahead: int = 0) -> StepBatch:
+    """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
+    ``lookahead``: the page table also covers this many positions past each chunk (a
+    multi-step decode writes them on the device; their pages are already allocated)."""
     decodes = [e for e in scheduled if e.num_new_tokens == 1]
     prefills = [e for e in scheduled if e.num_new_tokens > 1]
-    max_pages = max(-(-(e.start_pos + e.num_new_tokens) // page_size) for e in scheduled)
+    max_pages = max(-(-(e.start_pos + e.num_new_tokens + lookahead) // page_size) for e in scheduled)
     b = ladders.choose(len(decodes), [e.num_new_tokens for e in prefills], max_pages)
     T, S, P = b.num_tokens, b.num_seqs, b.max_pages
     tokens = np.zeros(T, np.int32)
@@ -189,7 +191,7 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         token_rows[sl] = row
         token_is_output[sl] = pos >= seq.num_prompt_tokens
         kv_lens[slot], q_lens[slot] = end, n
-        npg = -(-end // page_size)
+        npg = -(-(end + lookahead) // page_size)
         page_table[slot, :npg] = pages[:npg]
         logits_index[slot] = first_token + n - 1
         rows[slot] = row

@@ -23,7 +23,7 @@ from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, RequestMet
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, make_sequences
 from jaxinfer.reference import derive_seed
 
@@ -143,8 +143,11 @@ class Engine:
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
                           max_prefill_chunk=self.ladders.max_single_chunk,
                           multi_prefill=self.ladders.max_multi)
+        if c.num_scheduler_steps > 1 and (mesh is not None or self.publisher is not None):
+            raise ValueError("num_scheduler_steps > 1 needs a single-device engine (no tensor or data "
+                             "parallelism, one process)")
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
-                             mesh=mesh, publisher=self.publisher)
+                             mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
         return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)))   # row 0: padding sink
 
     # The first replica's parts, for single-replica callers (benchmarks, tests).
@@ -269,6 +272,10 @@ class Engine:
         steps run concurrently). Returns outputs of requests that changed (cumulative
         snapshots), finished ones included once, last."""
         t0 = time.perf_counter()
+        if self.config.num_scheduler_steps > 1:
+            run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
+            if run is not None:
+                return self._multi_step(self.replicas[0], *run, t0)
         pending = []
         for rep in self.replicas:
             sched = rep.scheduler.schedule()
@@ -295,12 +302,39 @@ class Engine:
         t2 = time.perf_counter()
         outs = []
         for rep, sched, batch, packed in fetched:
-            outs += self._postprocess(rep, sched, batch, packed)
+            outs += self._postprocess(rep, sched, batch.entries, packed)
         t3 = time.perf_counter()
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.device_seconds += t2 - t1
         return outs
+
+    def _multi_step(self, rep: "_Replica", sched: SchedulerOutput, k: int, t0: float) -> list[RequestOutput]:
+        """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each
+        step's tokens postprocessed in order, exactly as ``k`` single steps would be; a
+        sequence that stops early drops the tokens it sampled after that."""
+        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead=k - 1)
+        t = self._sampling_tensors(batch)
+        handle = rep.runner.dispatch_multi(batch, t, k)
+        t1 = time.perf_counter()
+        packed = rep.runner.fetch(handle)                          # i32[max_steps, S', 2 + 2K]
+        t2 = time.perf_counter()
+        latest: dict[str, RequestOutput] = {}
+        for i in range(k):
+            live = [(slot, e) for slot, e in batch.entries if not e.seq.is_finished]
+            if not live:
+                break
+            entries = [(slot, e if i == 0 else ScheduledSeq(e.seq, e.seq.num_computed_tokens, 1, True))
+                       for slot, e in live]
+            step_sched = SchedulerOutput([e for _, e in entries], [], len(entries))
+            for out in self._postprocess(rep, step_sched, entries, packed[i]):
+                latest.pop(out.request_id, None)
+                latest[out.request_id] = out
+        t3 = time.perf_counter()
+        self.num_steps += k
+        self.host_seconds += (t1 - t0) + (t3 - t2)
+        self.device_seconds += t2 - t1
+        return sorted(latest.values(), key=lambda o: o.finished)
 
     def _sampling_tensors(self, batch):
         from jaxinfer.engine import sampler as S
@@ -315,13 +349,13 @@ class Engine:
             steps[slot] = e.seq.num_output_tokens
         return S.sampling_tensors_from_params(params, seeds, steps, n)
 
-    def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, batch, packed: np.ndarray
-                     ) -> list[RequestOutput]:
+    def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, entries: list[tuple[int, ScheduledSeq]],
+                     packed: np.ndarray) -> list[RequestOutput]:
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
-        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in batch.entries if e.samples}
-        slot_of = {e.seq.seq_id: slot for slot, e in batch.entries}
+        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in entries if e.samples}
+        slot_of = {e.seq.seq_id: slot for slot, e in entries}
         grew = rep.scheduler.postprocess(sched, sampled)
         self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
                                         if e.start_pos < e.seq.num_prompt_tokens)

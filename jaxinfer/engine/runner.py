@@ -17,6 +17,7 @@ is impossible by construction for a known bucket, and an unknown bucket raises.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable
@@ -108,6 +109,55 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
     return logits, kv, _update_penalty_state(pen, t, arrays)
 
 
+def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
+                    t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array, *,
+                    bucket: Bucket, max_steps: int, page_size: int, attention: Callable,
+                    mm: Callable):
+    """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
+    steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
+    next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
+    zeros), kv, penalty state.
+
+    Why: at batch 1 the host's share of a step (scheduling, batch building, the call with
+    its ~400 arguments, post-processing) is ~3 ms next to ~9 ms on the device (int8,
+    benchmarks/RESULTS.md); here it is paid once per ``num_steps`` tokens.
+
+    Step i is exactly step 0 of the single-step path for the sequence's next position:
+    the same forward, penalty update and sampler, so the tokens are the same as
+    ``num_steps`` separate steps (tests/test_multi_step.py). The host allocated pages for
+    every position up to ``num_steps`` ahead (the page table covers them); padding slots
+    keep writing into the sink page 0.
+    """
+    state = jax.tree.unflatten(state_def, state_leaves)
+    D, Sp = bucket.num_decode, bucket.sample_rows
+    live = arrays["q_lens"] > 0                                     # bool[D]
+    width = 2 + 2 * NUM_LOGPROBS
+
+    def body(i, carry):
+        kv, pen, tokens, out = carry
+        step = jnp.where(live, i, 0)
+        pos = arrays["positions"] + step                             # i32[D]
+        page = jnp.take_along_axis(arrays["page_table"], (pos // page_size)[:, None], axis=1)[:, 0]
+        a = dict(arrays, tokens=tokens, positions=pos, kv_lens=arrays["kv_lens"] + step,
+                 slot_mapping=jnp.where(live, page * page_size + pos % page_size, arrays["slot_mapping"]),
+                 reset_rows=arrays["reset_rows"] & (i == 0),
+                 token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
+        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)))
+        logits, kv = model_body(graphdef, state, kv, a, bucket=bucket, attention=attention, mm=mm,
+                                tp_axis=None)
+        logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
+        pen = _update_penalty_state(pen, ti, a)
+        res = S.sample(logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1],
+                       penalty_rows=sample_rows)
+        out = lax.dynamic_update_index_in_dim(out, S.pack(res), i, 0)
+        return kv, pen, res.token_ids[:D], out
+
+    out = jnp.zeros((max_steps, Sp, width), jnp.int32)
+    kv, pen, _, out = lax.fori_loop(0, jnp.minimum(num_steps, max_steps), body,
+                                    (kv, pen, arrays["tokens"], out))
+    return out, kv, pen
+
+
 def sample_fn(logits, pen, rows, t: S.SamplingTensors):
     """One executable per sampler width S' (Bucket.sample_rows), not per bucket: the
     sampler is slow to compile. logits [S', V], rows i32[S'] (each slot's penalty-state
@@ -123,7 +173,11 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
-                 publisher: Any = None):
+                 publisher: Any = None, num_scheduler_steps: int = 1):
+        if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
+            raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
+                             "(no mesh, one process) for now")
+        self.num_scheduler_steps = num_scheduler_steps
         self.cfg = model.cfg
         self.spec = spec
         self.mesh = mesh
@@ -159,7 +213,11 @@ class ModelRunner:
         self.sample_device = None if mesh is None else next(
             d for d in mesh.devices.flat if d.process_index == jax.process_index())
         self._sample = jax.jit(sample_fn)
+        self._multi = jax.jit(functools.partial(multi_decode_fn, self.graphdef, self.state_def,
+                                                attention=attn_impl, mm=mm, page_size=spec.page_size),
+                              static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
         self.executables: dict[Bucket, Any] = {}
+        self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
         self.compile_seconds = 0.0
         self.last_logits: jax.Array | None = None
@@ -199,6 +257,13 @@ class ModelRunner:
                 logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
                 rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
                 self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t).compile()
+            if self.num_scheduler_steps > 1 and b.num_prefill == 0 and b not in self.multi_executables:
+                state, kv, pen, arrays, t = self._abstract_args(b)
+                scalar = jax.ShapeDtypeStruct((), np.int32)
+                rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
+                self.multi_executables[b] = self._multi.lower(
+                    state, kv, pen, arrays, t, scalar, rows, bucket=b,
+                    max_steps=self.num_scheduler_steps).compile(self.compiler_options)
             if progress:
                 progress(i + 1, len(buckets), b)
         self.compile_seconds += time.perf_counter() - t0
@@ -220,6 +285,21 @@ class ModelRunner:
         if self.publisher is not None:
             self.publisher.publish(b, host)
         return self.run_host_step(b, host)
+
+    def dispatch_multi(self, batch: StepBatch, t: S.SamplingTensors, num_steps: int) -> jax.Array:
+        """Enqueue ``num_steps`` (2..num_scheduler_steps) decode steps of a decode-only batch
+        (multi_decode_fn); ``fetch`` returns i32[num_scheduler_steps, S', 2 + 2K]."""
+        b = batch.bucket
+        if b not in self.multi_executables:
+            raise RuntimeError(f"bucket {b} has no multi-step executable (decode-only buckets with "
+                               f"num_scheduler_steps > 1 are compiled at start-up)")
+        if not 1 <= num_steps <= self.num_scheduler_steps:
+            raise ValueError(f"num_steps: must be in [1, {self.num_scheduler_steps}], got {num_steps}")
+        sample_rows = np.zeros(b.sample_rows, np.int32)
+        sample_rows[:b.num_seqs] = batch.rows
+        out, self.kv, self.pen = self.multi_executables[b](
+            self.state_leaves, self.kv, self.pen, as_device_args(batch), t, np.int32(num_steps), sample_rows)
+        return out
 
     def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True) -> jax.Array:
         """The step from its host arrays (followers replay it under jax.distributed, with

@@ -252,6 +252,43 @@ class Scheduler:
         scheduled = list(chosen.values())
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
+    def schedule_decode_run(self, max_steps: int) -> tuple[SchedulerOutput, int] | None:
+        """A multi-step decode (``EngineConfig.num_scheduler_steps``): every running sequence
+        decodes for ``k`` steps (2 <= k <= max_steps) in one device call; or None, and the
+        engine runs a normal ``schedule()``.
+
+        Only when nothing else wants the step: every running sequence needs exactly one
+        token, and no waiting sequence could be admitted now (the queue is empty or
+        ``max_num_seqs`` are running), so a multi-step run delays no prefill. ``k`` stops
+        at the first sequence's ``max_tokens`` or ``max_model_len``, so no position past
+        either is ever computed. Pages for all ``k`` positions are allocated up front
+        (all or nothing: without enough free pages, None, nothing changed and nobody
+        preempted). The engine then feeds the ``k`` tokens back through ``postprocess``
+        one step at a time, and stops a sequence early (EOS, stop string): the tokens it
+        sampled after that are dropped, and its pages freed as usual.
+        """
+        if max_steps < 2 or not self.running or len(self.running) > self.max_num_batched_tokens:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        k = max_steps
+        for seq in self.running:
+            if seq.num_new_tokens_needed != 1:
+                return None
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens,
+                    self.max_model_len - seq.num_computed_tokens)
+        if k < 2:
+            return None
+        need = sum(max(0, self.bm.pages_for(s.num_computed_tokens + k) - len(s.page_ids)) for s in self.running)
+        if need > self.bm.num_free_pages:
+            return None
+        for seq in self.running:
+            if not self.bm.allocate_for(seq, seq.num_computed_tokens + k):
+                raise RuntimeError(f"allocate_for({seq!r}) failed after the free-page check")
+        out = SchedulerOutput([ScheduledSeq(s, s.num_computed_tokens, 1, True) for s in self.running],
+                              [], len(self.running))
+        return out, k
+
     def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Record a finished step: advance ``num_computed_tokens`` of every scheduled
         sequence and append the sampled token (``sampled[seq_id]``) of every one whose

@@ -47,7 +47,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
     if variant == "no-matmul-no-attention":
         X.ragged_paged_attention = CA.ragged_paged_attention = lambda q, *a, **k: q
     args = types.SimpleNamespace(max_model_len=640, max_num_batched_tokens=512, max_num_seqs=1,
-                                 quantization=quantization, batch_invariant=batch_invariant)
+                                 quantization=quantization, batch_invariant=batch_invariant, num_scheduler_steps=1)
     eng = Engine(loaded=load_model(None), progress=False, **LAT.engine_config(args))
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     runs = []

@@ -106,21 +106,28 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
     first = time.perf_counter() - t0
     steps0, host0, dev0 = engine.num_steps, engine.host_seconds, engine.device_seconds
     la0 = C.load_avg()
-    steps_log = []
-    execute = engine.runner.execute
+    steps_log, pending = [], []
+    runner = engine.runner
+    dispatch, dispatch_multi, fetch = runner.dispatch, runner.dispatch_multi, runner.fetch
 
-    def timed_execute(batch, t):                   # per-step bucket and time, for the breakdown
-        t1 = time.perf_counter()
-        out = execute(batch, t)
+    # Per-step bucket and time (dispatch to fetched result), for the breakdown. The engine
+    # calls dispatch or dispatch_multi, then fetch, one step at a time on one replica.
+    def timed_dispatch(batch, t, *k):
+        pending.append((batch, k[0] if k else 1, time.perf_counter()))
+        return (dispatch_multi if k else dispatch)(batch, t, *k)
+
+    def timed_fetch(h):
+        out = fetch(h)
+        batch, k, t1 = pending.pop(0)
         steps_log.append((batch.bucket, time.perf_counter() - t1,
-                          sum(e.num_new_tokens for _, e in batch.entries)))
+                          k * sum(e.num_new_tokens for _, e in batch.entries)))
         return out
 
-    engine.runner.execute = timed_execute
+    runner.dispatch, runner.dispatch_multi, runner.fetch = timed_dispatch, timed_dispatch, timed_fetch
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp)
     secs = time.perf_counter() - t0
-    engine.runner.execute = execute
+    del runner.dispatch, runner.dispatch_multi, runner.fetch
     steps = engine.num_steps - steps0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
@@ -148,6 +155,8 @@ def main() -> None:
     p.add_argument("--variants", default="inv,fast",
                    help="engine variants to run, comma-separated (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decode for every variant (engine default 1)")
     p.add_argument("--quantization", default=None, help="weight quantization (not implemented yet)")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="JAX persistent compilation cache (a second run loads the executables: "
@@ -157,6 +166,8 @@ def main() -> None:
     if args.quantization:
         p.error(f"--quantization {args.quantization}: not implemented yet")
     variants = [parse_variant(v.strip(), args.max_num_seqs) for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        v["config"]["num_scheduler_steps"] = args.num_scheduler_steps
     for v in variants:
         if args.compilation_cache:
             v["config"]["compilation_cache_dir"] = args.compilation_cache

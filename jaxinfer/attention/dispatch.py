@@ -76,9 +76,17 @@ def select_matmul(batch_invariant: bool, backend: str | None = None,
     from jaxinfer.models import layers as L
 
     base = L.tiled_matmul if batch_invariant else L.matmul
-    if not quantized:            # float weights: nothing to dispatch (and no kernel build)
-        return base
     backend = backend or jax.default_backend()
+    if not quantized:            # float weights: layers.float_matmul picks per weight dtype
+        if backend == "cpu":
+            from pallas_kernels import cpu_f32_matmul
+
+            if cpu_f32_matmul.available():
+                log.info("matmul: float32 weights -> C++ kernel (jax.ffi), others -> XLA dot")
+            else:
+                log.info("matmul: float weights -> XLA dot (C++ f32 kernel unavailable: %s)",
+                         cpu_f32_matmul.unavailable_reason())
+        return base
     if backend not in ("tpu", "gpu"):
         from pallas_kernels import cpu_matmul
 

@@ -83,12 +83,12 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
     rows: dict[str, list] = {}
     post = eng._postprocess
 
-    def capture(rep, sched, batch, packed):
+    def capture(rep, sched, entries, packed):
         logits = np.asarray(rep.runner.last_logits)
-        for slot, e in batch.entries:
+        for slot, e in entries:
             if e.samples:
                 rows.setdefault(e.seq.request_id, []).append(logits[slot].tolist())
-        return post(rep, sched, batch, packed)
+        return post(rep, sched, entries, packed)
 
     eng._postprocess = capture
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -24,7 +24,9 @@
 //    w[kc, 16] slice into a contiguous buffer (w's row stride maps a column panel onto a
 //    few cache sets; the copy makes it 64 bytes a k and keeps it in L1), then 6x16
 //    register tiles (12 accumulators, 2 weight vectors, 1 broadcast of x) sweep all M rows.
-//    The K block is sized so that the x[M, kc] slice stays in L2.
+//    The K block is sized so that the x[M, kc] slice stays in L2. For M >= 64 x is first
+//    packed into 6-row tiles ([tile][k][6], by all threads), so a tile's broadcasts read
+//    one sequential stream rather than six rows K floats apart.
 //
 // Work is cut in units that the caller and XLA's intra-op thread pool claim from one
 // atomic counter (as in int8_matmul.cc): no thread waits for a task that has not started,
@@ -202,9 +204,10 @@ void scalar_cols(const Mat& p, int64_t n0, int64_t n1) {
 
 // c[R, 16] (ldc) += x[R, kc] (ldx) @ b[kc, 16]: the register tile. The accumulators live
 // in registers for the whole loop (no branches in here: GCC then keeps the arrays in ymm).
-template <int R>
+template <int R, bool kPackedX>
 __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const float* b, int64_t kc,
                                           float* c, int64_t ldc) {
+  // x[r, k] at x + r * ldx + k, or in a packed row tile (see pack_x) at x + k * kMR + r.
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
@@ -216,7 +219,7 @@ __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const flo
     const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      const __m256 xb = _mm256_broadcast_ss(kPackedX ? x + k * kMR + r : x + r * ldx + k);
       a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
       a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
     }
@@ -230,34 +233,52 @@ __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const flo
 
 // y[m0 .. m0+R, n0 .. n0+ncols) (+)= x[m0 .. m0+R, k0 .. k0+kc) @ b[kc, 16]. `first`: the
 // chain starts at zero; otherwise it continues from the partial sums stored in y.
-template <int R>
-void gemm_tile(const Mat& p, int64_t m0, int64_t n0, int ncols, int64_t k0, int64_t kc,
-               const float* b, bool first) {
+template <int R, bool kPackedX>
+void gemm_tile(const Mat& p, const float* xp, int64_t m0, int64_t n0, int ncols, int64_t k0,
+               int64_t kc, const float* b, bool first) {
   float* y = p.y + m0 * p.N + n0;
-  const float* x = p.x + m0 * p.K + k0;
+  const float* x = kPackedX ? xp + (m0 / kMR * p.K + k0) * kMR : p.x + m0 * p.K + k0;
   if (ncols == kNR) {
     if (first)
       for (int r = 0; r < R; ++r) std::memset(y + r * p.N, 0, kNR * sizeof(float));
-    return micro_tile<R>(x, p.K, b, kc, y, p.N);
+    return micro_tile<R, kPackedX>(x, p.K, b, kc, y, p.N);
   }
   alignas(32) float edge[R * kNR];      // a partial last panel goes through here
   std::memset(edge, 0, sizeof(edge));
   if (!first)
     for (int r = 0; r < R; ++r) std::memcpy(edge + r * kNR, y + r * p.N, ncols * sizeof(float));
-  micro_tile<R>(x, p.K, b, kc, edge, kNR);
+  micro_tile<R, kPackedX>(x, p.K, b, kc, edge, kNR);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * p.N, edge + r * kNR, ncols * sizeof(float));
 }
 
-void gemm_rows(const Mat& p, int64_t m0, int64_t rows, int64_t n0, int ncols, int64_t k0,
-               int64_t kc, const float* b, bool first) {
+template <bool kPackedX>
+void gemm_rows_as(const Mat& p, const float* xp, int64_t m0, int64_t rows, int64_t n0, int ncols,
+                  int64_t k0, int64_t kc, const float* b, bool first) {
   switch (rows) {
-    case 1: return gemm_tile<1>(p, m0, n0, ncols, k0, kc, b, first);
-    case 2: return gemm_tile<2>(p, m0, n0, ncols, k0, kc, b, first);
-    case 3: return gemm_tile<3>(p, m0, n0, ncols, k0, kc, b, first);
-    case 4: return gemm_tile<4>(p, m0, n0, ncols, k0, kc, b, first);
-    case 5: return gemm_tile<5>(p, m0, n0, ncols, k0, kc, b, first);
-    default: return gemm_tile<6>(p, m0, n0, ncols, k0, kc, b, first);
+    case 1: return gemm_tile<1, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    case 2: return gemm_tile<2, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    case 3: return gemm_tile<3, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    case 4: return gemm_tile<4, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    case 5: return gemm_tile<5, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    default: return gemm_tile<6, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
   }
+}
+
+// xp: x packed by pack_x, or nullptr (tiles read x in place).
+void gemm_rows(const Mat& p, const float* xp, int64_t m0, int64_t rows, int64_t n0, int ncols,
+               int64_t k0, int64_t kc, const float* b, bool first) {
+  if (xp) return gemm_rows_as<true>(p, xp, m0, rows, n0, ncols, k0, kc, b, first);
+  gemm_rows_as<false>(p, nullptr, m0, rows, n0, ncols, k0, kc, b, first);
+}
+
+// Row tile t of x (rows 6t .. 6t+5, zeros past M) as xp[t][k][6]: a tile's broadcasts
+// then read one sequential stream instead of six rows K floats apart. Values are copied,
+// not changed, so every output's FMA chain is the same.
+void pack_x(const Mat& p, float* xp, int64_t t) {
+  float* dst = xp + t * p.K * kMR;
+  const int64_t rows = std::min<int64_t>(kMR, p.M - t * kMR);
+  for (int64_t k = 0; k < p.K; ++k)
+    for (int r = 0; r < kMR; ++r) dst[k * kMR + r] = r < rows ? p.x[(t * kMR + r) * p.K + k] : 0.f;
 }
 
 // Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
@@ -265,7 +286,7 @@ void gemm_rows(const Mat& p, int64_t m0, int64_t rows, int64_t n0, int ncols, in
 // reading each row of w sequentially across the unit's width, then each panel's 6x16 tiles
 // sweep all rows. Narrow units (one panel) for large M keep b in L1; wide ones for small M
 // read w in long runs, which is what bounds them.
-void gemm_unit(const Mat& p, int64_t n0, int64_t width, int64_t kc_max) {
+void gemm_unit(const Mat& p, const float* xp, int64_t n0, int64_t width, int64_t kc_max) {
   static thread_local std::vector<float> buf;
   const int64_t panels = (std::min(width, p.N - n0) + kNR - 1) / kNR;
   const int64_t need = panels * kc_max * kNR + 16;
@@ -304,7 +325,7 @@ void gemm_unit(const Mat& p, int64_t n0, int64_t width, int64_t kc_max) {
           const int64_t r = k1 + next / row_lines, l = next % row_lines;
           _mm_prefetch(reinterpret_cast<const char*>(p.w + r * p.N + n0 + 16 * l), _MM_HINT_T1);
         }
-        gemm_rows(p, m0, std::min<int64_t>(kMR, p.M - m0), n0 + j * kNR, ncols, k0, kc,
+        gemm_rows(p, xp, m0, std::min<int64_t>(kMR, p.M - m0), n0 + j * kNR, ncols, k0, kc,
                   b + j * kc * kNR, k0 == 0);
       }
     }
@@ -372,8 +393,22 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       width = std::clamp<int64_t>((N + split - 1) / split, kNR, kMaxWidth) / kNR * kNR;
       kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);
     }
+    const float* xp = nullptr;
+#ifndef JAXINFER_NO_PACK_X
+    if (M >= kWideM) {   // many row tiles per panel: pack x once, all units read it
+      static thread_local std::vector<float> xbuf;   // the calling thread's, reused across calls
+      const int64_t tiles = (M + kMR - 1) / kMR;
+      if (static_cast<int64_t>(xbuf.size()) < tiles * K * kMR) xbuf.resize(tiles * K * kMR);
+      float* xw = xbuf.data();
+      auto pack = std::make_shared<Work>();
+      pack->units = tiles;
+      pack->run = [p, xw](int64_t t) { pack_x(p, xw, t); };
+      share(pool, pack, M * K, kInlineMacs);
+      xp = xw;
+    }
+#endif
     work->units = (N + width - 1) / width;
-    work->run = [p, width, kc](int64_t u) { gemm_unit(p, u * width, width, kc); };
+    work->run = [p, xp, width, kc](int64_t u) { gemm_unit(p, xp, u * width, width, kc); };
   }
   share(pool, work, M * K * N, kInlineMacs);
   return ffi::Error::Success();

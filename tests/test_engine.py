@@ -69,6 +69,25 @@ def tiny_engine(default_loaded):
     return eng
 
 
+def run_with_arrivals(eng: Engine, prompts, params, rng, prefix: str, max_per_step: int):
+    """Add request i (id f"{prefix}{i}") a few at a time, 0..max_per_step before each step,
+    until all are done -> ({request_id: final output}, XLA compiles meanwhile)."""
+    COMPILES.count, COMPILES.active = 0, True
+    try:
+        outs, i = {}, 0
+        while i < len(prompts) or eng.has_unfinished():
+            for _ in range(int(rng.randint(0, max_per_step + 1))):
+                if i < len(prompts):
+                    eng.add_request(prompts[i], params[i], request_id=f"{prefix}{i}")
+                    i += 1
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+        return outs, COMPILES.count
+    finally:
+        COMPILES.active = False
+
+
 def drain(engine: Engine, ids: list[str]):
     return engine.run_until_done(ids)
 
@@ -109,21 +128,8 @@ def test_default_model_token_exact_under_batching(default_loaded):
     max_toks = [int(rng.choice([1, 5, 17, 24])) for _ in prompts]
 
     eng = Engine(loaded=default_loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
-    COMPILES.count, COMPILES.active = 0, True
-    try:
-        ids, outs, i = [], {}, 0
-        while i < len(prompts) or eng.has_unfinished():
-            for _ in range(int(rng.randint(0, 4))):       # a few arrivals per step
-                if i < len(prompts):
-                    p = SamplingParams(temperature=0, max_tokens=max_toks[i], ignore_eos=True)
-                    ids.append(eng.add_request(prompts[i], p, request_id=f"r{i}"))
-                    i += 1
-            for o in eng.step():
-                if o.finished:
-                    outs[o.request_id] = o
-        compiles = COMPILES.count
-    finally:
-        COMPILES.active = False
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
+    outs, compiles = run_with_arrivals(eng, prompts, params, rng, "r", max_per_step=3)
     assert compiles == 0, f"{compiles} compiles after warm-up"
     stats = eng.stats()
     assert stats["num_preemptions_total"] > 0, "the test meant to force preemption"

@@ -13,7 +13,7 @@ import pytest
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 
-from test_engine import COMPILES, tiny_loaded
+from test_engine import run_with_arrivals, tiny_loaded
 
 STEPS = 4
 # Small ladders: few executables to compile (a multi-step one per decode bucket).
@@ -112,20 +112,7 @@ def test_multi_step_under_arrivals_no_compile_no_leak(multi, single):
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True, n=1 + (i % 5 == 0))
               for i, m in enumerate(rng.randint(1, 30, size=12))]
     want = [o.outputs for o in single.generate(prompts, params)]
-    COMPILES.count, COMPILES.active = 0, True
-    try:
-        outs, i = {}, 0
-        while i < len(prompts) or multi.has_unfinished():
-            for _ in range(int(rng.randint(0, 3))):
-                if i < len(prompts):
-                    multi.add_request(prompts[i], params[i], request_id=f"a{i}")
-                    i += 1
-            for o in multi.step():
-                if o.finished:
-                    outs[o.request_id] = o
-        compiles = COMPILES.count
-    finally:
-        COMPILES.active = False
+    outs, compiles = run_with_arrivals(multi, prompts, params, rng, "a", max_per_step=2)
     assert compiles == 0, f"{compiles} compiles after warm-up"
     for k in range(len(prompts)):
         assert [c.token_ids for c in outs[f"a{k}"].outputs] == [c.token_ids for c in want[k]], k

@@ -143,9 +143,6 @@ class Engine:
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
                           max_prefill_chunk=self.ladders.max_single_chunk,
                           multi_prefill=self.ladders.max_multi)
-        if c.num_scheduler_steps > 1 and (mesh is not None or self.publisher is not None):
-            raise ValueError("num_scheduler_steps > 1 needs a single-device engine (no tensor or data "
-                             "parallelism, one process)")
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                              mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
         return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)))   # row 0: padding sink

@@ -166,6 +166,13 @@ def sample_fn(logits, pen, rows, t: S.SamplingTensors):
     return S.pack(out)
 
 
+def _sample_rows(batch: StepBatch) -> np.ndarray:
+    """i32[S']: each sampler row's penalty-state row (padding rows -> row 0, the sink)."""
+    rows = np.zeros(batch.bucket.sample_rows, np.int32)
+    rows[:batch.bucket.num_seqs] = batch.rows
+    return rows
+
+
 class ModelRunner:
     """Owns the device state of one engine replica (weights, KV pages, penalty state) and
     its executables. ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the
@@ -279,9 +286,7 @@ class ModelRunner:
         if batch.bucket not in self.executables:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
         b = batch.bucket
-        sample_rows = np.zeros(b.sample_rows, np.int32)
-        sample_rows[:b.num_seqs] = batch.rows
-        host = {"arrays": as_device_args(batch), "t": t, "sample_rows": sample_rows}
+        host = {"arrays": as_device_args(batch), "t": t, "sample_rows": _sample_rows(batch)}
         if self.publisher is not None:
             self.publisher.publish(b, host)
         return self.run_host_step(b, host)
@@ -295,10 +300,9 @@ class ModelRunner:
                                f"num_scheduler_steps > 1 are compiled at start-up)")
         if not 1 <= num_steps <= self.num_scheduler_steps:
             raise ValueError(f"num_steps: must be in [1, {self.num_scheduler_steps}], got {num_steps}")
-        sample_rows = np.zeros(b.sample_rows, np.int32)
-        sample_rows[:b.num_seqs] = batch.rows
         out, self.kv, self.pen = self.multi_executables[b](
-            self.state_leaves, self.kv, self.pen, as_device_args(batch), t, np.int32(num_steps), sample_rows)
+            self.state_leaves, self.kv, self.pen, as_device_args(batch), t, np.int32(num_steps),
+            _sample_rows(batch))
         return out
 
     def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True) -> jax.Array:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -101,19 +102,34 @@ def _f32_kernel_weight(w) -> bool:
     return not hasattr(w, "scales") and f32_kernel_applies(w)
 
 
-def fuse_float_for_cpu(model: nnx.Module) -> nnx.Module:
-    """A new module (the given one untouched) whose float32 q/k/v and gate/up weights are
-    fused for the CPU f32 kernel (pallas_kernels/cpu_f32_matmul.py: every output column is
-    its own k-ordered FMA chain, so the fused product is bitwise the separate ones); the
-    module itself where the kernel does not apply. Single-device models only (a fused
-    weight would shard differently)."""
+def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
+    """A new module (the given one untouched) laid out for the CPU f32 kernel
+    (pallas_kernels/cpu_f32_matmul.py); the module itself where the kernel does not apply.
+
+    * q/k/v and gate/up weights are fused into one weight each: every output column is its
+      own k-ordered FMA chain, so the fused product is bitwise the separate ones, and a
+      decode step makes 4 kernel calls a layer instead of 7;
+    * every matmul weight is stored panel-major (``cpu_f32_matmul.panel``), which the kernel
+      reads without the per-call copy: the same bits, 15-40% faster at decode batch sizes.
+
+    Single-device models only (a fused or panelled weight would shard differently)."""
     from jaxinfer.models.layers import f32_kernel_applies
+    from pallas_kernels.cpu_f32_matmul import panel
 
     w = model.layers[0].wq[...]
     if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
         return model
     graphdef, state = nnx.split(model)
-    return fuse_projections(nnx.merge(graphdef, state))
+    model = fuse_projections(nnx.merge(graphdef, state))
+    names = set(MATMUL_WEIGHTS) | {fused for fused, _ in FUSED}
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if path[-1] in names and isinstance(value, jax.Array) and value.dtype == jnp.float32:
+            var = var.replace(value=panel(value))
+        flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def is_quantized(model: nnx.Module) -> bool:

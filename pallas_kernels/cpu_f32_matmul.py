@@ -5,7 +5,10 @@ so the batch-invariant engine had to run every dot in fixed 32-row tiles (slow a
 This kernel computes every output as one k-ordered FMA chain whatever M, tile or thread,
 so it is bitwise batch-invariant by construction (see the .cc header) and serves both the
 plain and the batch-invariant engine: layers.matmul / tiled_matmul route float32 weights
-here on the CPU backend. Weights are read in their stored [K, N] layout.
+here on the CPU backend. Weights are read in their stored [K, N] layout, or in the
+panel-major layout of ``panel`` (a ``PanelledF32``), which the kernel reads without
+copying: the engine lays a single-device model's weights out so at load time
+(quantization.prepare_float_for_cpu). Both layouts give the same bits.
 
 Built on first use by pallas_kernels/cpu_build.py; without a compiler ``available()`` is
 False with the reason in ``unavailable_reason()`` and the engine keeps XLA's dots.
@@ -13,8 +16,10 @@ False with the reason in ``unavailable_reason()`` and the engine keeps XLA's dot
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,58 @@ import numpy as np
 from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_f32_matmul"
-_KERNEL = cpu_build.Kernel("f32_matmul.cc", {TARGET: "JaxinferF32Matmul"}, "f32 matmul")
+TARGET_PANELS = "jaxinfer_f32_matmul_panels"
+_KERNEL = cpu_build.Kernel("f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
+                                             TARGET_PANELS: "JaxinferF32MatmulPanels"}, "f32 matmul")
+PANEL = 16   # columns per panel: the GEMM's register tile width
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PanelledF32:
+    """A float32 [K, N] weight stored panel-major: ``panels`` f32 [N/16, K, 16], panel j
+    holding columns [16j, 16j + 16). Why: the GEMM's register tiles read a 16-column
+    panel down K; from the stored [K, N] layout each call first copied every panel into a
+    contiguous buffer (the row stride maps a panel onto a few cache sets), and at decode
+    batch sizes that copy, straight from memory, was a third of the matmul time. Here each
+    panel is already one sequential stream. Made once at load time by ``panel``."""
+
+    panels: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n_panels, k, p = self.panels.shape
+        return (k, n_panels * p)
+
+    @property
+    def dtype(self) -> Any:
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.size * self.panels.dtype.itemsize
+
+    def unpanelled(self) -> jax.Array:
+        """The weight in the plain [K, N] layout."""
+        K, N = self.shape
+        return self.panels.transpose(1, 0, 2).reshape(K, N)
+
+    def __getitem__(self, key: Any) -> "PanelledF32":
+        """``param[...]`` (how a model reads its weights) returns the weight itself."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("PanelledF32 supports only [...] indexing")
+
+
+def panel(w: jax.Array) -> PanelledF32 | jax.Array:
+    """A float32 [K, N] weight in the panel-major layout (``PanelledF32``); a weight whose N
+    is not a multiple of 16 stays as it is (the kernel's plain path serves it)."""
+    if w.ndim != 2 or w.dtype != jnp.float32:
+        raise ValueError(f"panel: expected a float32 [K, N] weight, got {w.dtype} {w.shape}")
+    K, N = w.shape
+    if N % PANEL:
+        return w
+    return PanelledF32(jnp.asarray(w).reshape(K, N // PANEL, PANEL).transpose(1, 0, 2))
 
 
 def build() -> Path:
@@ -42,17 +98,22 @@ def unavailable_reason() -> str | None:
 
 
 @functools.partial(jax.jit, inline=True)
-def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f32 [M, K] @ w f32 [K, N] -> f32 [M, N], each output one k-ordered FMA chain.
-    Call ``available()`` first: it registers the kernel."""
-    if x.ndim != 2 or w.ndim != 2:
+def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32) -> jax.Array:
+    """x f32 [M, K] @ w f32 [K, N] (plain or a ``PanelledF32``) -> f32 [M, N], each output one
+    k-ordered FMA chain, the same bits for either layout. Call ``available()`` first: it
+    registers the kernel."""
+    panelled = isinstance(w, PanelledF32)
+    if x.ndim != 2 or (not panelled and w.ndim != 2):
         raise ValueError(f"f32_matmul: expected x [M, K] and w [K, N], got x {x.shape}, w {w.shape}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"f32_matmul: x and w must be float32, got x {x.dtype}, w {w.dtype}")
     K, N = w.shape
     if x.shape[1] != K:
         raise ValueError(f"x: expected [M, K={K}] (K = w.shape[0]), got shape {x.shape}")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, w)
+    out = jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32)
+    if panelled:
+        return jax.ffi.ffi_call(TARGET_PANELS, out)(x, w.panels)
+    return jax.ffi.ffi_call(TARGET, out)(x, w)
 
 
 def f32_matmul_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -131,25 +131,65 @@ def test_without_the_kernel_xla_paths(monkeypatch):
                                   np.asarray(L.tiled_matmul(x, w))[:1])
 
 
+# Panel-major weights: N a multiple of 16; K odd, K over one GEMM K block; a head-like N.
+PANEL_SHAPES = [(576, 192), (77, 48), (1536, 64), (64, 16)]
+
+
 @needs_kernel
-def test_float_engine_fuses_projections_bitwise():
-    """quantization.fuse_float_for_cpu: a new module (the given one untouched) whose q/k/v and
-    gate/up float32 weights are one weight each; the fused product is bitwise the separate
-    products (each output column is its own FMA chain)."""
+@pytest.mark.parametrize("K,N", PANEL_SHAPES)
+def test_panelled_weights_give_the_same_bits(K, N):
+    """A PanelledF32 weight goes through the panel paths (decode tiles for M <= 3, the GEMM
+    reading the panels in place, packed x for M >= 64) and gives the plain layout's bits
+    for every M; ``unpanelled`` restores the weight exactly."""
+    w = _rand((K, N), 8)
+    wp = F.panel(jnp.asarray(w))
+    assert isinstance(wp, F.PanelledF32) and wp.shape == (K, N) and wp.panels.shape == (N // 16, K, 16)
+    np.testing.assert_array_equal(np.asarray(wp.unpanelled()), w)
+    xs = jnp.asarray(_rand((200, K), 9))
+    full = np.asarray(F.f32_matmul(xs, jnp.asarray(w)))
+    for M in (1, 2, 3, 4, 7, 32, 64, 200):
+        got = np.asarray(F.f32_matmul(xs[:M], wp))
+        np.testing.assert_array_equal(got, full[:M], err_msg=f"M={M}")
+    assert F.TARGET_PANELS in jax.jit(F.f32_matmul).lower(xs[:4], wp).as_text()
+
+
+def test_panel_keeps_what_it_cannot_panel():
+    w = jnp.zeros((64, 40), jnp.float32)                 # N % 16 != 0: stays plain
+    assert F.panel(w) is w
+    with pytest.raises(ValueError, match="float32"):
+        F.panel(w.astype(jnp.bfloat16))
+    wp = F.panel(jnp.zeros((64, 32), jnp.float32))
+    with pytest.raises(ValueError, match=r"x: expected \[M, K=64\]"):
+        F.f32_matmul(jnp.zeros((2, 32)), wp)
+    with pytest.raises(TypeError, match=r"only \[\.\.\.\]"):
+        wp[0]
+
+
+@needs_kernel
+def test_float_engine_prepares_the_model_bitwise():
+    """quantization.prepare_float_for_cpu: a new module (the given one untouched) whose q/k/v
+    and gate/up float32 weights are one weight each and whose matmul weights are panelled;
+    every product is bitwise the separate, plain products (each output column is its own
+    FMA chain), and the engine's models are prepared so."""
     import pathlib
     import sys
 
-    from jaxinfer.quantization import fuse_float_for_cpu
+    from jaxinfer.quantization import prepare_float_for_cpu
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from tp_worker import tiny_loaded
 
     model = tiny_loaded("llama_8q4kv").model
-    fused = fuse_float_for_cpu(model)
+    fused = prepare_float_for_cpu(model)
     a, b = model.layers[0], fused.layers[0]
     assert hasattr(a, "wq") and not hasattr(a, "wqkv")          # the original is untouched
     assert hasattr(b, "wqkv") and hasattr(b, "w_gate_up") and not hasattr(b, "wq")
     x = jnp.asarray(_rand((5, a.wq[...].shape[0]), 3))
     for fused_name, parts in (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up"))):
         want = np.concatenate([np.asarray(F.f32_matmul(x, getattr(a, p)[...])) for p in parts], axis=1)
+        assert isinstance(getattr(b, fused_name)[...], F.PanelledF32)
         np.testing.assert_array_equal(np.asarray(F.f32_matmul(x, getattr(b, fused_name)[...])), want)
+    assert isinstance(b.wo[...], F.PanelledF32) and isinstance(fused.lm_head[...], F.PanelledF32)
+    xo = jnp.asarray(_rand((5, a.wo[...].shape[0]), 4))
+    np.testing.assert_array_equal(np.asarray(F.f32_matmul(xo, b.wo[...])),
+                                  np.asarray(F.f32_matmul(xo, a.wo[...])))

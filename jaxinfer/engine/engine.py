@@ -102,11 +102,11 @@ class Engine:
         self.model_name = model or os.path.basename(self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        from jaxinfer.quantization import fuse_float_for_cpu, quantize_model
+        from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
         models = [quantize_model(m, config.quantization) for m in _place_replicas(loaded, meshes)]
         if not config.quantization and not meshes:
-            models = [fuse_float_for_cpu(m) for m in models]
+            models = [prepare_float_for_cpu(m) for m in models]
         # keep the quantized model, not the float one (the caller's LoadedModel is untouched)
         self.loaded = dataclasses.replace(loaded, model=models[0])
         run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it

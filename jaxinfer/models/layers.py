@@ -129,18 +129,20 @@ def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     return tiled_matmul(x, dequantize(w).astype(x.dtype))
 
 
-def f32_kernel_applies(w: jax.Array) -> bool:
-    """float32 weight on the CPU backend and the C++ f32 kernel built (built on first ask)."""
+def f32_kernel_applies(w) -> bool:
+    """float32 weight (an array or a PanelledF32) on the CPU backend and the C++ f32 kernel
+    built (built on first ask)."""
     if w.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return False
     from pallas_kernels import cpu_f32_matmul
     return cpu_f32_matmul.available()
 
 
-def float_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+def float_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     """x [T, K] @ a float weight w [K, N] -> [T, N], the one place that picks the path:
     float32 on CPU with the kernel built -> pallas_kernels/cpu_f32_matmul.py (batch-invariant
-    by construction, so both engines use it; inside shard_map it sees the local shards);
+    by construction, so both engines use it; inside shard_map it sees the local shards;
+    a PanelledF32, which only a model prepared for that kernel holds, always goes there);
     otherwise XLA's dot (``invariant``: in fixed row tiles, see above)."""
     if f32_kernel_applies(w):
         from pallas_kernels import cpu_f32_matmul

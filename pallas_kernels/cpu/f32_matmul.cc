@@ -100,10 +100,16 @@ constexpr int64_t kPackFloats = 32 * 1024;             // wide units: packed w u
 
 struct Mat {
   const float* x;  // [M, K]
-  const float* w;  // [K, N]
+  const float* w;  // [K, N], or panel-major [N/16][K][16] when `panelled`
   float* y;        // [M, N]
   int64_t M, K, N;
+  bool panelled = false;
 };
+
+// Panel j of a panelled w from row k on: 16 floats a row, rows contiguous.
+inline const float* panel_at(const Mat& p, int64_t j, int64_t k) {
+  return p.w + (j * p.K + k) * 16;
+}
 
 // ---------------------------------------------------------------------------------------
 // Decode: rows [m0, m0 + R) x columns [n0, n0 + 8C), the whole of K, straight from w.
@@ -198,6 +204,41 @@ void scalar_cols(const Mat& p, int64_t n0, int64_t n1) {
     }
 }
 
+// Panelled w, rows [m0, m0 + R) x panels [j0, j0 + C), the whole of K: each panel is one
+// sequential stream (64 bytes a k), so C streams run at bandwidth without a copy.
+template <int R, int C>
+void panel_decode_tile(const Mat& p, int64_t m0, int64_t j0) {
+  __m256 acc[R][2 * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  const float* w = panel_at(p, j0, 0);
+  const int64_t stride = p.K * kNR;   // floats from one panel to the next
+  for (int64_t k = 0; k < p.K; ++k) {
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(x[r * p.K + k]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float* wk = w + c * stride + k * kNR;
+      const __m256 b0 = _mm256_load_ps(wk), b1 = _mm256_load_ps(wk + 8);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * c] = _mm256_fmadd_ps(xb[r], b0, acc[r][2 * c]);
+        acc[r][2 * c + 1] = _mm256_fmadd_ps(xb[r], b1, acc[r][2 * c + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c)
+      _mm256_storeu_ps(p.y + (m0 + r) * p.N + j0 * kNR + 8 * c, acc[r][c]);
+}
+
+// Panels [j0, j0 + count) of rows [m0, m0 + R), count <= CMax.
+template <int R, int CMax>
+void panel_decode_cols(const Mat& p, int64_t m0, int64_t j0, int64_t count) {
+  if (count == CMax) return panel_decode_tile<R, CMax>(p, m0, j0);
+  if constexpr (CMax > 1) panel_decode_cols<R, CMax - 1>(p, m0, j0, count);
+}
+
 // ---------------------------------------------------------------------------------------
 // GEMM: 6x16 register tiles over a packed w[kc, 16] panel.
 // ---------------------------------------------------------------------------------------
@@ -281,14 +322,36 @@ void pack_x(const Mat& p, float* xp, int64_t t) {
     for (int r = 0; r < kMR; ++r) dst[k * kMR + r] = r < rows ? p.x[(t * kMR + r) * p.K + k] : 0.f;
 }
 
+// Panels [j0, j0 + panels) of a panelled w, all M rows: each K block of a panel is already
+// the contiguous b[kc][16] the tiles want. While a panel's tiles run, the next K block of
+// the same panel is prefetched, a few lines per tile.
+void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels, int64_t kc_max) {
+  const int64_t tiles = (p.M + kMR - 1) / kMR;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, p.K - k0);
+    const int64_t ahead = std::min(kc_max, p.K - k0 - kc);   // rows (= lines) of the next block
+    const int64_t per_tile = (ahead + tiles - 1) / tiles;
+    for (int64_t j = j0; j < j0 + panels; ++j) {
+      const float* b = panel_at(p, j, k0);
+      int64_t next = 0;
+      for (int64_t m0 = 0; m0 < p.M; m0 += kMR) {
+        for (int64_t e = std::min(ahead, next + per_tile); next < e; ++next)
+          _mm_prefetch(reinterpret_cast<const char*>(b + (kc + next) * kNR), _MM_HINT_T0);
+        gemm_rows(p, xp, m0, std::min<int64_t>(kMR, p.M - m0), j * kNR, kNR, k0, kc, b, k0 == 0);
+      }
+    }
+  }
+}
+
 // Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
 // w[k0 .. k0+kc, n0 .. n0+width) into panel-major b[width/16][kc][16] (zero past column N),
 // reading each row of w sequentially across the unit's width, then each panel's 6x16 tiles
 // sweep all rows. Narrow units (one panel) for large M keep b in L1; wide ones for small M
 // read w in long runs, which is what bounds them.
 void gemm_unit(const Mat& p, const float* xp, int64_t n0, int64_t width, int64_t kc_max) {
-  static thread_local std::vector<float> buf;
   const int64_t panels = (std::min(width, p.N - n0) + kNR - 1) / kNR;
+  if (p.panelled) return gemm_unit_panelled(p, xp, n0 / kNR, panels, kc_max);
+  static thread_local std::vector<float> buf;
   const int64_t need = panels * kc_max * kNR + 16;
   if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
   float* b = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
@@ -350,22 +413,30 @@ void decode_units(Work& work, const Mat& p, int64_t m0, int64_t nvec) {
   };
 }
 
-ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("f32_matmul: expected x [M, K] and w [K, N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (wd[0] != K)
-    return ffi::Error::InvalidArgument("f32_matmul: x [M, K] and w [K, N] disagree on K");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::memset(y->typed_data(), 0, M * N * sizeof(float));
-    return ffi::Error::Success();
-  }
-  const Mat p{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N};
+template <int R>
+void panel_decode_units(Work& work, const Mat& p) {
+  // M == 1: 4 panels = 8 chains hide the FMA latency; more rows need more registers.
+  constexpr int C = R == 1 ? 4 : (R == 2 ? 3 : 2);
+  const int64_t panels = p.N / kNR;
+  work.units = (panels + C - 1) / C;
+  work.run = [p, panels](int64_t u) {
+    const int64_t j0 = u * C;
+    panel_decode_cols<R, C>(p, 0, j0, std::min<int64_t>(C, panels - j0));
+  };
+}
+
+// y = x @ w for either layout (validated by the handlers).
+void matmul(ffi::ThreadPool& pool, const Mat& p) {
+  const int64_t M = p.M, K = p.K, N = p.N;
   auto work = std::make_shared<Work>();
   const int64_t nvec = N / 8 * 8;
+  if (p.panelled && M <= kDecodeRows) {
+    switch (M) {
+      case 1: panel_decode_units<1>(*work, p); break;
+      case 2: panel_decode_units<2>(*work, p); break;
+      default: panel_decode_units<3>(*work, p); break;
+    }
+  } else
 #ifndef JAXINFER_NO_ROWS
   if (M == 1) {
     const int64_t vecs = nvec / 8;
@@ -391,7 +462,8 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     if (M < kWideM) {   // a few units per thread, each at most kMaxWidth columns
       const int64_t split = 4 * std::max<int64_t>(1, pool.num_threads());
       width = std::clamp<int64_t>((N + split - 1) / split, kNR, kMaxWidth) / kNR * kNR;
-      kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);
+      // the copied panels stay under kPackFloats (a panelled w is not copied)
+      if (!p.panelled) kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);
     }
     const float* xp = nullptr;
 #ifndef JAXINFER_NO_PACK_X
@@ -411,12 +483,53 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     work->run = [p, xp, width, kc](int64_t u) { gemm_unit(p, xp, u * width, width, kc); };
   }
   share(pool, work, M * K * N, kInlineMacs);
+}
+
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("f32_matmul: expected x [M, K] and w [K, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (wd[0] != K)
+    return ffi::Error::InvalidArgument("f32_matmul: x [M, K] and w [K, N] disagree on K");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(y->typed_data(), 0, M * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  matmul(pool, Mat{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N});
+  return ffi::Error::Success();
+}
+
+// w panel-major [N/16, K, 16] (cpu_f32_matmul.panel): the same FMA chains, no copies.
+ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNR)
+    return ffi::Error::InvalidArgument("f32_matmul_panels: expected x [M, K] and w [N/16, K, 16]");
+  const int64_t M = xd[0], K = xd[1], N = wd[0] * kNR;
+  if (wd[1] != K)
+    return ffi::Error::InvalidArgument("f32_matmul_panels: x [M, K] and w [N/16, K, 16] disagree on K");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(y->typed_data(), 0, M * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  matmul(pool, Mat{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, true});
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulPanels, F32MatmulPanelsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

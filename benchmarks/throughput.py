@@ -23,9 +23,10 @@ ladders instead of the tuned ones below. The cost of batch invariance is reporte
 (fast / inv - 1) when both are run.
 
 Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots, one
-prefill chunk of 64/96/128/192/256 tokens (a workload prompt is at most 256 tokens, so one
-chunk holds it; 96 and 192 cut the chunks' padding from +44% to +26%) or four of 32, page
-tables of 32 pages (max_model_len 512).
+prefill chunk of 64 to 256 tokens in steps of 32 (a workload prompt is at most 256 tokens,
+so one chunk holds it; the finer steps cut the chunks' padding: +44% with 64/128/256, +26%
+with 96 and 192 added, less again with 160 and 224) or four of 32, page tables of 32 pages
+(max_model_len 512).
 
     python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--out /tmp/throughput.json]
 """
@@ -53,7 +54,7 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
                batch_invariant=name == "inv",
                num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
     if ladder == "tuned":
-        chunks = [c for c in (64, 96, 128, 192, 256) if c <= budget] or [budget]
+        chunks = [c for c in range(64, 257, 32) if c <= budget] or [budget]
         cfg.update(decode_buckets=tuple(sorted({min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs})),
                    mixed_decode_buckets=(0, max_num_seqs),
                    prefill_buckets=tuple(sorted({(1, c) for c in chunks} | {(4, 32)})),

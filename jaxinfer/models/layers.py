@@ -50,7 +50,15 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved form)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    # Computed once per step, then handed through a conditional XLA cannot see through
+    # (a run-time predicate; both branches return the same values: x + 0.0 is x for
+    # every value here, cos and sin of non-negative angles are never -0.0). Without it
+    # XLA:CPU fuses cos/sin into every layer's rope of q and of k and evaluates them once
+    # per head and element: ~50 ms of a 512-token prefill, for the same values.
+    # (lax.optimization_barrier does not stop that: XLA:CPU drops it before fusion.)
+    cos_sin = jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)          # [T, 2 * head_dim]
+    cos_sin = jax.lax.cond(positions.reshape(-1)[0] > 0, lambda t: t, lambda t: t + 0.0, cos_sin)
+    return cos_sin[:, :emb.shape[1]], cos_sin[:, emb.shape[1]:]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -108,7 +108,7 @@ struct Mat {
 
 // Panel j of a panelled w from row k on: 16 floats a row, rows contiguous.
 inline const float* panel_at(const Mat& p, int64_t j, int64_t k) {
-  return p.w + (j * p.K + k) * 16;
+  return p.w + (j * p.K + k) * kNR;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -428,6 +428,11 @@ void panel_decode_units(Work& work, const Mat& p) {
 // y = x @ w for either layout (validated by the handlers).
 void matmul(ffi::ThreadPool& pool, const Mat& p) {
   const int64_t M = p.M, K = p.K, N = p.N;
+  if (M == 0 || N == 0) return;
+  if (K == 0) {   // an empty sum
+    std::memset(p.y, 0, M * N * sizeof(float));
+    return;
+  }
   auto work = std::make_shared<Work>();
   const int64_t nvec = N / 8 * 8;
   if (p.panelled && M <= kDecodeRows) {
@@ -493,11 +498,6 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t M = xd[0], K = xd[1], N = wd[1];
   if (wd[0] != K)
     return ffi::Error::InvalidArgument("f32_matmul: x [M, K] and w [K, N] disagree on K");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::memset(y->typed_data(), 0, M * N * sizeof(float));
-    return ffi::Error::Success();
-  }
   matmul(pool, Mat{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N});
   return ffi::Error::Success();
 }
@@ -511,11 +511,6 @@ ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = xd[0], K = xd[1], N = wd[0] * kNR;
   if (wd[1] != K)
     return ffi::Error::InvalidArgument("f32_matmul_panels: x [M, K] and w [N/16, K, 16] disagree on K");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::memset(y->typed_data(), 0, M * N * sizeof(float));
-    return ffi::Error::Success();
-  }
   matmul(pool, Mat{x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, true});
   return ffi::Error::Success();
 }

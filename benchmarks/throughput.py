@@ -22,11 +22,12 @@ max_num_batched_tokens (default 512); prefix ``auto:`` uses the engine's default
 ladders instead of the tuned ones below. The cost of batch invariance is reported as
 (fast / inv - 1) when both are run.
 
-Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots, one
-prefill chunk of 64 to 256 tokens in steps of 32 (a workload prompt is at most 256 tokens,
-so one chunk holds it; the finer steps cut the chunks' padding: +44% with 64/128/256, +26%
-with 96 and 192 added, less again with 160 and 224) or four of 32, page tables of 32 pages
-(max_model_len 512).
+Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots,
+prefill regions of 2, 4, .., budget/32 slots of 32 positions (the scheduler packs as many
+prompts into a step as the token budget allows, each cut into 32-token pieces, so a prompt
+pads at most 31 positions and a step at most one slot more), page tables of 32 pages
+(max_model_len 512). Before packing, one prompt per step in single chunks of 64..256
+(every 32) padded +22% and took 31 mixed steps.
 
     python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--out /tmp/throughput.json]
 """
@@ -54,10 +55,10 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
                batch_invariant=name == "inv",
                num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
     if ladder == "tuned":
-        chunks = [c for c in range(64, 257, 32) if c <= budget] or [budget]
+        slots = [n for n in range(2, budget // 32 + 1, 2)] or [1]
         cfg.update(decode_buckets=tuple(sorted({min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs})),
                    mixed_decode_buckets=(0, max_num_seqs),
-                   prefill_buckets=tuple(sorted({(1, c) for c in chunks} | {(4, 32)})),
+                   prefill_buckets=tuple((n, 32) for n in slots),
                    page_buckets=(MAX_MODEL_LEN // 16,))
     return {"label": f"{ladder}:{name}@{budget}", "config": cfg}
 

@@ -104,10 +104,12 @@ def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
 
 # Four buckets (decode 1 / 8 slots, prefill-only and mixed 8 + prefill) keep compile time
 # down while a request still moves between bucket shapes; tests/test_serving_real.py uses
-# the same shape so the run's compilation cache serves it.
+# the same shape so the run's compilation cache serves it. The prefill shape is four
+# 16-position slots: several prompts share a step and a 64-token chunk is cut in pieces
+# (engine/batch.py), both of which the token-exact test then covers.
 DEFAULT_MODEL_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
                                num_pages=48, page_buckets=(32,), decode_buckets=(1, 8),
-                               mixed_decode_buckets=(0, 8), prefill_buckets=((1, 64),))
+                               mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
 
 
 @pytest.mark.slow
@@ -129,8 +131,17 @@ def test_default_model_token_exact_under_batching(default_loaded):
 
     eng = Engine(loaded=default_loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
+    dispatch, prefills_per_step = eng.runner.dispatch, []
+
+    def counting_dispatch(batch, t):
+        prefills_per_step.append(sum(e.num_new_tokens > 1 for _, e in batch.entries))
+        return dispatch(batch, t)
+
+    eng.runner.dispatch = counting_dispatch
     outs, compiles = run_with_arrivals(eng, prompts, params, rng, "r", max_per_step=3)
+    del eng.runner.dispatch
     assert compiles == 0, f"{compiles} compiles after warm-up"
+    assert max(prefills_per_step) >= 2, "the test meant steps with several prompts packed"
     stats = eng.stats()
     assert stats["num_preemptions_total"] > 0, "the test meant to force preemption"
     assert stats["num_free_pages"] == stats["num_total_pages"], "leaked KV pages"

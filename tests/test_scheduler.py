@@ -468,3 +468,64 @@ def test_schedule_decode_run_bounds_pages_and_waiting():
     assert s2.schedule_decode_run(8) is None                 # needs 2 more pages each
     assert {q.seq_id: list(q.page_ids) for q in s2.running} == pages
     bm2.check_invariants()
+
+
+def test_prefill_shapes_pack_prompts_and_every_step_fits_a_bucket():
+    """With bucket shapes (slots, chunk) the scheduler packs several prompts into a step as
+    long as their pieces (ceil(len / chunk) each) fit one shape, and the batch builder then
+    finds that bucket and cuts each chunk into consecutive slots: the pieces cover the
+    chunk's tokens in order, each with the KV length up to its own end, and only the last
+    piece samples. Random prompts and arrivals: every step builds, nothing is lost."""
+    from jaxinfer.engine.batch import BucketLadders, build_step, pieces
+
+    shapes = ((1, 48), (3, 8), (6, 16))
+    ladders = BucketLadders((1, 2, 4, 8), (0, 8), shapes, (64,))
+    bm = BlockManager(256, 4)
+    sched = Scheduler(bm, 8, 96, 256, prefill_shapes=shapes)
+    model = FakeModel(bm)
+    rng = random.Random(3)
+    seqs = []
+    for i in range(30):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([2, 5, 9, 17, 40, 90]))]
+        seqs += make_sequences(f"r{i}", prompt, SamplingParams(max_tokens=rng.choice([1, 3, 8])))
+    pending, packed = list(seqs), 0
+    rows = {}
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randrange(4)):
+            if pending:
+                sched.add(pending.pop(0))
+        out = sched.schedule()
+        chunks = [e.num_new_tokens for e in out.scheduled if e.num_new_tokens > 1]
+        assert any(pieces(chunks, c) <= n for n, c in shapes), chunks
+        packed = max(packed, len(chunks))
+        for e in out.scheduled:
+            rows.setdefault(e.seq.seq_id, len(rows) + 1)
+        b = build_step(out.scheduled, ladders, 4, rows)
+        ps, c = b.bucket.num_decode, b.bucket.prefill_chunk
+        for slot, e in b.entries:          # the last piece (or the decode slot) samples
+            assert b.logits_index[slot] == (slot if slot < ps else ps + (slot - ps) * c + b.q_lens[slot] - 1)
+            assert b.kv_lens[slot] == e.start_pos + e.num_new_tokens
+        sampling = {slot for slot, _ in b.entries}
+        covered: dict[int, list[int]] = {}
+        for slot in range(ps, b.bucket.num_seqs):
+            n = int(b.q_lens[slot])
+            if n == 0:
+                continue
+            first = ps + (slot - ps) * c
+            pos = b.positions[first:first + n]
+            assert list(pos) == list(range(b.kv_lens[slot] - n, b.kv_lens[slot]))
+            seq_row = int(b.rows[slot])
+            covered.setdefault(seq_row, []).extend(int(p) for p in pos)
+            assert b.reset_rows[slot] == (pos[0] == 0)
+        for e in out.scheduled:
+            if e.num_new_tokens > 1:
+                assert covered[rows[e.seq.seq_id]] == list(range(e.start_pos, e.start_pos + e.num_new_tokens))
+        assert len(sampling) == len(out.scheduled)
+        sampled = model.step(out)
+        for seq in sched.postprocess(out, sampled):
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+    assert packed >= 3, "the test meant several prompts per step"
+    for seq in seqs:
+        assert seq.output_token_ids == [expected_token(seq, j) for j in range(seq.params.max_tokens)]
+    assert bm.num_free_pages == bm.num_usable_pages

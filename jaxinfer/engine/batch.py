@@ -10,6 +10,15 @@ Layout of a step (what the compiled step and the attention expect):
   first ``q_len`` of them.
 * ``max_pages`` page-table columns per slot.
 
+A prefill chunk longer than the bucket's ``prefill_chunk`` fills several consecutive slots,
+one piece each (piece i: the chunk's tokens ``[i*prefill_chunk, (i+1)*prefill_chunk)``,
+its KV length ending with them). That changes nothing for the attention: this step's K/V
+are written into the pages before any slot attends, so a later piece sees the earlier
+ones' keys as cached context, and a token's bits do not depend on how its prompt was cut.
+So one shape (n, c) holds any set of chunks that needs at most n pieces: several prompts
+share a step (vLLM's packed prefill) with at most c - 1 padding positions each. Only the
+last piece of a chunk samples; the other pieces' sampler rows are ignored.
+
 A ``Bucket`` is those four numbers; each bucket is one ahead-of-time compiled executable.
 Host only: numpy, no jax (the batch is built while the device may still be busy).
 """
@@ -57,9 +66,8 @@ class BucketLadders:
 
     ``decode_sizes`` serve decode-only steps; ``mixed_decode_sizes`` (coarser, 0 included)
     serve steps that also carry prefill chunks, whose cost the prefill dominates.
-    ``prefill_shapes`` are (num_prefill, prefill_chunk) pairs; a step with one prefill
-    sequence may use a chunk up to the largest single-slot chunk, several share the
-    multi-slot shapes.
+    ``prefill_shapes`` are (num_prefill, prefill_chunk) pairs: a shape holds any set of
+    chunks whose pieces (``pieces``) number at most ``num_prefill``.
     """
 
     decode_sizes: tuple[int, ...]
@@ -80,31 +88,27 @@ class BucketLadders:
                 itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)}
         return sorted(out)
 
-    @property
-    def max_single_chunk(self) -> int:
-        return max(c for n, c in self.prefill_shapes)
-
-    @property
-    def max_multi(self) -> tuple[int, int]:
-        """(most prefill slots in one step, the chunk limit when there are several)."""
-        multi = [(n, c) for n, c in self.prefill_shapes if n > 1]
-        return max(multi) if multi else (1, self.max_single_chunk)
-
     def choose(self, num_decode: int, chunks: Seq[int], max_pages: int) -> Bucket:
-        """The cheapest bucket holding the step, or ValueError (a scheduler bug)."""
+        """The cheapest bucket holding the step (fewest token positions, then fewest
+        slots), or ValueError (a scheduler bug)."""
         pages = _ceil_in(self.page_sizes, max_pages, "pages per sequence")
         if not chunks:
             if num_decode <= self.decode_sizes[-1]:
                 return Bucket.of(_ceil_in(self.decode_sizes, num_decode, "decode slots"), 0, 0, pages)
         best = None
         for n, c in self.prefill_shapes:
-            if n >= len(chunks) and c >= max(chunks, default=0):
-                if best is None or n * c < best[0] * best[1]:
-                    best = (n, c)
+            if pieces(chunks, c) <= n and (best is None or (n * c, n) < (best[0] * best[1], best[0])):
+                best = (n, c)
         if best is None:
-            raise ValueError(f"no bucket holds {len(chunks)} prefill chunks of up to {max(chunks)} tokens")
+            raise ValueError(f"no bucket holds {len(chunks)} prefill chunks of {sum(chunks)} tokens "
+                             f"(up to {max(chunks)} each)")
         d = _ceil_in(self.mixed_decode_sizes, num_decode, "decode slots")
         return Bucket.of(d, best[0], best[1], pages)
+
+
+def pieces(chunks: Seq[int], chunk: int) -> int:
+    """Prefill slots of ``chunk`` positions that ``chunks`` fill (each is cut in pieces)."""
+    return sum(-(-n // chunk) for n in chunks)
 
 
 def _ceil_in(ladder: Seq[int], n: int, what: str) -> int:
@@ -117,7 +121,8 @@ def _ceil_in(ladder: Seq[int], n: int, what: str) -> int:
 def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
                     max_num_batched_tokens: int) -> BucketLadders:
     """Powers of two for decode up to max_num_seqs; a coarser ladder when prefill rides
-    along; single-slot chunks of 32/128/up-to-budget and a 4-slot shape for short prompts.
+    along; single-slot chunks of 32/128/up-to-budget for one prompt, and 32-position slots
+    (4 of them, and as many as the budget holds) that pack several prompts into one step.
 
     One page-table width: the attention loops over KV blocks up to the longest live
     sequence at run time, so a wider table costs only its int32 entries, not compute.
@@ -129,9 +134,9 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
         mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
     big = max(32, min(512, max_num_batched_tokens))
     single = sorted({c for c in (32, 128, big) if c <= big})
-    shapes = [(1, c) for c in single]
-    if max_num_seqs >= 4 and big >= 128:
-        shapes.append((4, 32))
+    shapes = {(1, c) for c in single}
+    if max_num_seqs > 1:
+        shapes |= {(n, 32) for n in (4, big // 32) if n > 1}
     full = -(-max_model_len // page_size)
     return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)), (full,))
 
@@ -178,8 +183,9 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     reset_rows = np.zeros(S, bool)
     entries: list[tuple[int, ScheduledSeq]] = []
 
-    def place(slot: int, first_token: int, e: ScheduledSeq) -> None:
-        seq, n, start = e.seq, e.num_new_tokens, e.start_pos
+    def place(slot: int, first_token: int, e: ScheduledSeq, start: int, n: int, last: bool) -> None:
+        """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``."""
+        seq = e.seq
         end = start + n
         sl = slice(first_token, first_token + n)
         tokens[sl] = seq.token_ids_slice(start, end)
@@ -195,13 +201,19 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         page_table[slot, :npg] = pages[:npg]
         logits_index[slot] = first_token + n - 1
         rows[slot] = row
-        reset_rows[slot] = start == 0
-        entries.append((slot, e))
+        reset_rows[slot] = start == 0     # the penalty row is cleared before any token is added
+        if last:
+            entries.append((slot, e))
 
     for i, e in enumerate(decodes):
-        place(i, i, e)
-    for j, e in enumerate(prefills):
-        place(b.num_decode + j, b.num_decode + j * b.prefill_chunk, e)
+        place(i, i, e, e.start_pos, 1, True)
+    slot, c = b.num_decode, b.prefill_chunk
+    for e in prefills:
+        for start in range(e.start_pos, e.start_pos + e.num_new_tokens, c):
+            n = min(c, e.start_pos + e.num_new_tokens - start)
+            place(slot, b.num_decode + (slot - b.num_decode) * c, e, start, n,
+                  start + n == e.start_pos + e.num_new_tokens)
+            slot += 1
     return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
                      logits_index, rows, reset_rows, token_rows, token_is_output, entries)
 

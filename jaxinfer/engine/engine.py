@@ -141,8 +141,7 @@ class Engine:
         c = self.config
         bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching)
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
-                          max_prefill_chunk=self.ladders.max_single_chunk,
-                          multi_prefill=self.ladders.max_multi)
+                          prefill_shapes=self.ladders.prefill_shapes)
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                              mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
         return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)))   # row 0: padding sink

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -92,31 +93,30 @@ class SchedulerOutput:
 
 class _PrefillSlots:
     """The shapes prefill chunks may take in one step (they must fit a compiled bucket):
-    one chunk of up to ``max_chunk`` tokens, or up to ``multi[0]`` chunks of at most
-    ``multi[1]`` tokens each. Chunks of 1 token ride in decode slots and are not counted."""
+    ``shapes`` are (slots, chunk) pairs (BucketLadders.prefill_shapes); a chunk of L tokens
+    fills ceil(L / chunk) slots of a shape (the batch builder cuts it in pieces), and all
+    of a step's chunks must fit one shape. ``None``: no constraint. Chunks of 1 token ride
+    in decode slots and are not counted."""
 
-    def __init__(self, max_chunk: int, multi: tuple[int, int]):
-        self.max_chunk, (self.max_count, self.multi_chunk) = max_chunk, multi
-        self.count = 0
-        self.closed = False
+    def __init__(self, shapes: Seq[tuple[int, int]] | None):
+        self.shapes = list(shapes) if shapes else None
+        self.used = [0] * len(self.shapes) if self.shapes else []   # a shape fits while used <= slots
 
     def take(self, want: int) -> int:
         """How many of ``want`` tokens this sequence may compute now (0: not this step)."""
-        if want <= 1:
+        if want <= 1 or self.shapes is None:
             return want
-        if self.closed or self.count >= self.max_count:
-            return 0
-        n = min(want, self.max_chunk if self.count == 0 else self.multi_chunk)
-        self.count += 1
-        self.closed = n > self.multi_chunk     # a big single chunk leaves no room for others
+        n = max((min(want, (s - u) * c) for (s, c), u in zip(self.shapes, self.used) if u < s),
+                default=0)
+        for i, (s, c) in enumerate(self.shapes):
+            self.used[i] += -(-n // c)
         return n
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_waiting: int | None = None, *,
-                 max_prefill_chunk: int | None = None,
-                 multi_prefill: tuple[int, int] | None = None) -> None:
+                 prefill_shapes: Seq[tuple[int, int]] | None = None) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if not (isinstance(v, int) and v >= 1):
@@ -129,8 +129,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         # Bucket shapes for prefill chunks (see _PrefillSlots); default: no constraint.
-        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
-        self.multi_prefill = multi_prefill or (max_num_seqs, self.max_prefill_chunk)
+        self.prefill_shapes = tuple(prefill_shapes) if prefill_shapes else None
         # Both queues are kept sorted by _key: (priority, arrival_time, order of add).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -218,7 +217,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: dict[int, ScheduledSeq] = {}          # seq_id -> entry, in schedule order
         preempted: list[Sequence] = []
-        slots = _PrefillSlots(self.max_prefill_chunk, self.multi_prefill)
+        slots = _PrefillSlots(self.prefill_shapes)
 
         decodes = [s for s in self.running if s.num_new_tokens_needed == 1]
         prefills = [s for s in self.running if s.num_new_tokens_needed > 1]

@@ -336,7 +336,9 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
-    prefill_buckets: tuple[tuple[int, int], ...] | None = None   # (num_prefill, chunk)
+    # (slots, positions per slot): a chunk longer than a slot fills several, so one shape
+    # packs several prompts into a step (engine/batch.py)
+    prefill_buckets: tuple[tuple[int, int], ...] | None = None
     page_buckets: tuple[int, ...] | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30

@@ -19,7 +19,8 @@ tokens each, EOS ignored, all submitted at once (``Engine.generate``). Per engin
 Variants (``--variants``, comma-separated, all in one run so their ratios are fair):
 ``inv`` batch-invariant matmuls (the default), ``fast`` plain matmuls; suffix ``@N`` sets
 max_num_batched_tokens (default 512); prefix ``auto:`` uses the engine's default bucket
-ladders instead of the tuned ones below. The cost of batch invariance is reported as
+ladders instead of the tuned ones below, ``single:`` the tuned ladder as it was before
+packed prefill (single-slot chunks of 64..256 tokens, so one prompt per step). The cost of batch invariance is reported as
 (fast / inv - 1) when both are run.
 
 Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots,
@@ -47,8 +48,8 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
     if ":" in v:
         ladder, v = v.split(":", 1)
     name, _, budget = v.partition("@")
-    if name not in ("inv", "fast") or ladder not in ("tuned", "auto"):
-        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:]inv|fast[@tokens])")
+    if name not in ("inv", "fast") or ladder not in ("tuned", "single", "auto"):
+        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:|single:]inv|fast[@tokens])")
     budget = int(budget or 512)
     cfg = dict(dtype="float32", page_size=16, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
@@ -59,6 +60,12 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
         cfg.update(decode_buckets=tuple(sorted({min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs})),
                    mixed_decode_buckets=(0, max_num_seqs),
                    prefill_buckets=tuple((n, 32) for n in slots),
+                   page_buckets=(MAX_MODEL_LEN // 16,))
+    elif ladder == "single":     # the tuned ladder before packing: one prompt per step
+        chunks = [c for c in range(64, 257, 32) if c <= budget] or [budget]
+        cfg.update(decode_buckets=tuple(sorted({min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs})),
+                   mixed_decode_buckets=(0, max_num_seqs),
+                   prefill_buckets=tuple((1, c) for c in chunks),
                    page_buckets=(MAX_MODEL_LEN // 16,))
     return {"label": f"{ladder}:{name}@{budget}", "config": cfg}
 

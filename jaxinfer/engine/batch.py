@@ -183,15 +183,16 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     reset_rows = np.zeros(S, bool)
     entries: list[tuple[int, ScheduledSeq]] = []
 
-    def place(slot: int, first_token: int, e: ScheduledSeq, start: int, n: int, last: bool) -> None:
-        """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``."""
+    def place(slot: int, first_token: int, e: ScheduledSeq, pages: np.ndarray, start: int, n: int,
+              last: bool) -> None:
+        """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``;
+        ``pages``: the sequence's page ids as i32 (converted once per entry)."""
         seq = e.seq
         end = start + n
         sl = slice(first_token, first_token + n)
         tokens[sl] = seq.token_ids_slice(start, end)
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
-        pages = np.asarray(seq.page_ids, np.int32)
         slot_mapping[sl] = pages[pos // page_size] * page_size + pos % page_size
         row = rows_of[seq.seq_id]
         token_rows[sl] = row
@@ -206,13 +207,13 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
             entries.append((slot, e))
 
     for i, e in enumerate(decodes):
-        place(i, i, e, e.start_pos, 1, True)
+        place(i, i, e, np.asarray(e.seq.page_ids, np.int32), e.start_pos, 1, True)
     slot, c = b.num_decode, b.prefill_chunk
     for e in prefills:
-        for start in range(e.start_pos, e.start_pos + e.num_new_tokens, c):
-            n = min(c, e.start_pos + e.num_new_tokens - start)
-            place(slot, b.num_decode + (slot - b.num_decode) * c, e, start, n,
-                  start + n == e.start_pos + e.num_new_tokens)
+        pages, end = np.asarray(e.seq.page_ids, np.int32), e.start_pos + e.num_new_tokens
+        for start in range(e.start_pos, end, c):
+            n = min(c, end - start)
+            place(slot, b.num_decode + (slot - b.num_decode) * c, e, pages, start, n, start + n == end)
             slot += 1
     return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
                      logits_index, rows, reset_rows, token_rows, token_is_output, entries)

@@ -100,7 +100,7 @@ class _PrefillSlots:
 
     def __init__(self, shapes: Seq[tuple[int, int]] | None):
         self.shapes = list(shapes) if shapes else None
-        self.used = [0] * len(self.shapes) if self.shapes else []   # a shape fits while used <= slots
+        self.used = [0] * len(shapes or ())    # slots taken per shape; it fits while used <= slots
 
     def take(self, want: int) -> int:
         """How many of ``want`` tokens this sequence may compute now (0: not this step)."""

@@ -139,15 +139,16 @@ PANEL_SHAPES = [(576, 192), (77, 48), (1536, 64), (64, 16)]
 @pytest.mark.parametrize("K,N", PANEL_SHAPES)
 def test_panelled_weights_give_the_same_bits(K, N):
     """A PanelledF32 weight goes through the panel paths (decode tiles for M <= 3, the GEMM
-    reading the panels in place, packed x for M >= 64) and gives the plain layout's bits
-    for every M; ``unpanelled`` restores the weight exactly."""
+    reading the panels in place from x packed in row tiles of 4 to 6 rows) and gives the
+    plain layout's bits for every M, whatever its row tiles (M = 13: 5, 4, 4; M = 32: 6, 6,
+    5, 5, 5, 5); ``unpanelled`` restores the weight exactly."""
     w = _rand((K, N), 8)
     wp = F.panel(jnp.asarray(w))
     assert isinstance(wp, F.PanelledF32) and wp.shape == (K, N) and wp.panels.shape == (N // 16, K, 16)
     np.testing.assert_array_equal(np.asarray(wp.unpanelled()), w)
     xs = jnp.asarray(_rand((200, K), 9))
     full = np.asarray(F.f32_matmul(xs, jnp.asarray(w)))
-    for M in (1, 2, 3, 4, 7, 32, 64, 200):
+    for M in (1, 2, 3, 4, 5, 7, 13, 32, 37, 64, 200):
         got = np.asarray(F.f32_matmul(xs[:M], wp))
         np.testing.assert_array_equal(got, full[:M], err_msg=f"M={M}")
     assert F.TARGET_PANELS in jax.jit(F.f32_matmul).lower(xs[:4], wp).as_text()

@@ -24,9 +24,10 @@
 //    w[kc, 16] slice into a contiguous buffer (w's row stride maps a column panel onto a
 //    few cache sets; the copy makes it 64 bytes a k and keeps it in L1), then 6x16
 //    register tiles (12 accumulators, 2 weight vectors, 1 broadcast of x) sweep all M rows.
-//    The K block is sized so that the x[M, kc] slice stays in L2. For M >= 64 x is first
-//    packed into 6-row tiles ([tile][k][6], by all threads), so a tile's broadcasts read
-//    one sequential stream rather than six rows K floats apart.
+//    The K block is sized so that the x[M, kc] slice stays in L2. Where units are one
+//    panel wide (M >= 64, or any M >= 4 with a panelled w) x is first packed into 6-row
+//    tiles ([tile][k][6], by all threads), so a tile's broadcasts read one sequential
+//    stream rather than six rows K floats apart.
 //
 // Work is cut in units that the caller and XLA's intra-op thread pool claim from one
 // atomic counter (as in int8_matmul.cc): no thread waits for a task that has not started,
@@ -243,24 +244,37 @@ void panel_decode_cols(const Mat& p, int64_t m0, int64_t j0, int64_t count) {
 // GEMM: 6x16 register tiles over a packed w[kc, 16] panel.
 // ---------------------------------------------------------------------------------------
 
-// c[R, 16] (ldc) += x[R, kc] (ldx) @ b[kc, 16]: the register tile. The accumulators live
+// Row tiles of an M-row GEMM: T = ceil(M / 6) tiles of as equal height as can be (M = 32:
+// 6, 6, 5, 5, 5, 5), never a thin tail. Why: a 6x16 tile keeps 12 accumulators, enough to
+// hide the FMA latency; 2 rows keep 4 and ran at half speed, so M = 32 as 5 x 6 + 2 spent
+// 8% of its tile time on the last 2 rows. 4 or 5 rows run within ~5% of 6.
+struct RowTiles {
+  int64_t count, base, extra;   // `extra` tiles of base + 1 rows first, then base rows
+  explicit RowTiles(int64_t M)
+      : count((M + kMR - 1) / kMR), base(count ? M / count : 0), extra(count ? M % count : 0) {}
+  int64_t start(int64_t t) const { return t * base + std::min(t, extra); }
+  int64_t rows(int64_t t) const { return base + (t < extra ? 1 : 0); }
+};
+
+// c[R, 16] (ldc) (+)= x[R, kc] (ldx) @ b[kc, 16]: the register tile. The accumulators live
 // in registers for the whole loop (no branches in here: GCC then keeps the arrays in ymm).
-template <int R, bool kPackedX>
+// kFirst: the chain starts at zero (c is only written).
+template <int R, bool kPackedX, bool kFirst>
 __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const float* b, int64_t kc,
                                           float* c, int64_t ldc) {
-  // x[r, k] at x + r * ldx + k, or in a packed row tile (see pack_x) at x + k * kMR + r.
+  // x[r, k] at x + r * ldx + k, or in a packed row tile (see pack_x) at x + k * R + r.
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    a0[r] = _mm256_loadu_ps(c + r * ldc);
-    a1[r] = _mm256_loadu_ps(c + r * ldc + 8);
+    a0[r] = kFirst ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
+    a1[r] = kFirst ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
   }
 #pragma GCC unroll 2
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(kPackedX ? x + k * kMR + r : x + r * ldx + k);
+      const __m256 xb = _mm256_broadcast_ss(kPackedX ? x + k * R + r : x + r * ldx + k);
       a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
       a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
     }
@@ -278,17 +292,17 @@ template <int R, bool kPackedX>
 void gemm_tile(const Mat& p, const float* xp, int64_t m0, int64_t n0, int ncols, int64_t k0,
                int64_t kc, const float* b, bool first) {
   float* y = p.y + m0 * p.N + n0;
-  const float* x = kPackedX ? xp + (m0 / kMR * p.K + k0) * kMR : p.x + m0 * p.K + k0;
+  // a packed tile starting at row m0 lies at xp + m0 * K, k-major (see pack_x)
+  const float* x = kPackedX ? xp + m0 * p.K + k0 * R : p.x + m0 * p.K + k0;
   if (ncols == kNR) {
-    if (first)
-      for (int r = 0; r < R; ++r) std::memset(y + r * p.N, 0, kNR * sizeof(float));
-    return micro_tile<R, kPackedX>(x, p.K, b, kc, y, p.N);
+    if (first) return micro_tile<R, kPackedX, true>(x, p.K, b, kc, y, p.N);
+    return micro_tile<R, kPackedX, false>(x, p.K, b, kc, y, p.N);
   }
   alignas(32) float edge[R * kNR];      // a partial last panel goes through here
   std::memset(edge, 0, sizeof(edge));
   if (!first)
     for (int r = 0; r < R; ++r) std::memcpy(edge + r * kNR, y + r * p.N, ncols * sizeof(float));
-  micro_tile<R, kPackedX>(x, p.K, b, kc, edge, kNR);
+  micro_tile<R, kPackedX, false>(x, p.K, b, kc, edge, kNR);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * p.N, edge + r * kNR, ncols * sizeof(float));
 }
 
@@ -312,21 +326,22 @@ void gemm_rows(const Mat& p, const float* xp, int64_t m0, int64_t rows, int64_t 
   gemm_rows_as<false>(p, nullptr, m0, rows, n0, ncols, k0, kc, b, first);
 }
 
-// Row tile t of x (rows 6t .. 6t+5, zeros past M) as xp[t][k][6]: a tile's broadcasts
-// then read one sequential stream instead of six rows K floats apart. Values are copied,
-// not changed, so every output's FMA chain is the same.
-void pack_x(const Mat& p, float* xp, int64_t t) {
-  float* dst = xp + t * p.K * kMR;
-  const int64_t rows = std::min<int64_t>(kMR, p.M - t * kMR);
+// Row tile t of x (R rows from m0, see RowTiles) k-major at xp + m0 * K: [k][R]. A tile's
+// broadcasts then read one sequential stream instead of R rows K floats apart. Values are
+// copied, not changed, so every output's FMA chain is the same.
+void pack_x(const Mat& p, const RowTiles& tiles, float* xp, int64_t t) {
+  const int64_t m0 = tiles.start(t), rows = tiles.rows(t);
+  float* dst = xp + m0 * p.K;
   for (int64_t k = 0; k < p.K; ++k)
-    for (int r = 0; r < kMR; ++r) dst[k * kMR + r] = r < rows ? p.x[(t * kMR + r) * p.K + k] : 0.f;
+    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = p.x[(m0 + r) * p.K + k];
 }
 
 // Panels [j0, j0 + panels) of a panelled w, all M rows: each K block of a panel is already
 // the contiguous b[kc][16] the tiles want. While a panel's tiles run, the next K block of
 // the same panel is prefetched, a few lines per tile.
 void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels, int64_t kc_max) {
-  const int64_t tiles = (p.M + kMR - 1) / kMR;
+  const RowTiles rt(p.M);
+  const int64_t tiles = rt.count;
   for (int64_t k0 = 0; k0 < p.K; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, p.K - k0);
     const int64_t ahead = std::min(kc_max, p.K - k0 - kc);   // rows (= lines) of the next block
@@ -334,10 +349,10 @@ void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panel
     for (int64_t j = j0; j < j0 + panels; ++j) {
       const float* b = panel_at(p, j, k0);
       int64_t next = 0;
-      for (int64_t m0 = 0; m0 < p.M; m0 += kMR) {
+      for (int64_t t = 0; t < tiles; ++t) {
         for (int64_t e = std::min(ahead, next + per_tile); next < e; ++next)
           _mm_prefetch(reinterpret_cast<const char*>(b + (kc + next) * kNR), _MM_HINT_T0);
-        gemm_rows(p, xp, m0, std::min<int64_t>(kMR, p.M - m0), j * kNR, kNR, k0, kc, b, k0 == 0);
+        gemm_rows(p, xp, rt.start(t), rt.rows(t), j * kNR, kNR, k0, kc, b, k0 == 0);
       }
     }
   }
@@ -378,17 +393,18 @@ void gemm_unit(const Mat& p, const float* xp, int64_t n0, int64_t width, int64_t
     const int64_t k1 = k0 + kc, k2 = std::min(p.K, k1 + kc_max);
     const int64_t row_lines = (std::min(width, p.N - n0) * 4 + 63) / 64;
     const int64_t lines = (k2 - k1) * row_lines;
-    const int64_t tiles = panels * ((p.M + kMR - 1) / kMR);
+    const RowTiles rt(p.M);
+    const int64_t tiles = panels * rt.count;
     const int64_t per_tile = (lines + tiles - 1) / std::max<int64_t>(tiles, 1);
     int64_t next = 0;
     for (int64_t j = 0; j < panels; ++j) {
       const int ncols = static_cast<int>(std::min<int64_t>(kNR, p.N - n0 - j * kNR));
-      for (int64_t m0 = 0; m0 < p.M; m0 += kMR) {
+      for (int64_t t = 0; t < rt.count; ++t) {
         for (int64_t e = std::min(lines, next + per_tile); next < e; ++next) {
           const int64_t r = k1 + next / row_lines, l = next % row_lines;
           _mm_prefetch(reinterpret_cast<const char*>(p.w + r * p.N + n0 + 16 * l), _MM_HINT_T1);
         }
-        gemm_rows(p, xp, m0, std::min<int64_t>(kMR, p.M - m0), n0 + j * kNR, ncols, k0, kc,
+        gemm_rows(p, xp, rt.start(t), rt.rows(t), n0 + j * kNR, ncols, k0, kc,
                   b + j * kc * kNR, k0 == 0);
       }
     }
@@ -464,22 +480,25 @@ void matmul(ffi::ThreadPool& pool, const Mat& p) {
   } else {
     int64_t kc = std::clamp<int64_t>(kL2Floats / M / 8 * 8, 64, kMaxKc);
     int64_t width = kNR;
-    if (M < kWideM) {   // a few units per thread, each at most kMaxWidth columns
+    // Wide units only where w must be copied: a panelled w is already one stream a panel,
+    // and one-panel units with x packed measured 5-12% faster at M = 4..48 (units of up to
+    // 384 columns left the caller waiting ~40 us a call for the helper's last unit).
+    const bool wide = M < kWideM && !p.panelled;
+    if (wide) {   // a few units per thread, each at most kMaxWidth columns
       const int64_t split = 4 * std::max<int64_t>(1, pool.num_threads());
       width = std::clamp<int64_t>((N + split - 1) / split, kNR, kMaxWidth) / kNR * kNR;
-      // the copied panels stay under kPackFloats (a panelled w is not copied)
-      if (!p.panelled) kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);
+      kc = std::clamp<int64_t>(kPackFloats / width / 8 * 8, 16, kc);   // copies under kPackFloats
     }
     const float* xp = nullptr;
 #ifndef JAXINFER_NO_PACK_X
-    if (M >= kWideM) {   // many row tiles per panel: pack x once, all units read it
+    if (!wide) {   // narrow units each sweep all row tiles: pack x once, all units read it
       static thread_local std::vector<float> xbuf;   // the calling thread's, reused across calls
-      const int64_t tiles = (M + kMR - 1) / kMR;
-      if (static_cast<int64_t>(xbuf.size()) < tiles * K * kMR) xbuf.resize(tiles * K * kMR);
+      if (static_cast<int64_t>(xbuf.size()) < M * K) xbuf.resize(M * K);
       float* xw = xbuf.data();
       auto pack = std::make_shared<Work>();
-      pack->units = tiles;
-      pack->run = [p, xw](int64_t t) { pack_x(p, xw, t); };
+      const RowTiles tiles(M);
+      pack->units = tiles.count;
+      pack->run = [p, xw, tiles](int64_t t) { pack_x(p, tiles, xw, t); };
       share(pool, pack, M * K, kInlineMacs);
       xp = xw;
     }

@@ -15,19 +15,21 @@
 // depends on its own row of x and the weights only, never on M, on the tile or thread that
 // computes it or on which rows share the call: bitwise batch-invariant by construction.
 //
-// Two paths, both reading w in its stored [K, N] layout (the model's nnx Params stay as
-// they are for sharding and checkpoints):
+// w comes in its stored [K, N] layout or panel-major [N/16][K][16] (cpu_f32_matmul.panel,
+// what the engine's float models use: each 16-column panel one sequential stream).
 //
 //  * decode, M <= 3: rows x 8C-column register tiles run down the whole of K straight
 //    from w, so the weights stream from memory once at bandwidth (what bounds decode).
-//  * GEMM, M >= 4: unit = one 16-column panel of y. Per K block, the unit copies its
-//    w[kc, 16] slice into a contiguous buffer (w's row stride maps a column panel onto a
-//    few cache sets; the copy makes it 64 bytes a k and keeps it in L1), then 6x16
-//    register tiles (12 accumulators, 2 weight vectors, 1 broadcast of x) sweep all M rows.
-//    The K block is sized so that the x[M, kc] slice stays in L2. Where units are one
-//    panel wide (M >= 64, or any M >= 4 with a panelled w) x is first packed into 6-row
-//    tiles ([tile][k][6], by all threads), so a tile's broadcasts read one sequential
-//    stream rather than six rows K floats apart.
+//  * GEMM, M >= 4: register tiles of 4 to 6 rows x 16 columns (12 accumulators, 2 weight
+//    vectors, 1 broadcast of x), the rows cut evenly (RowTiles). x is first packed into
+//    those row tiles (k-major, by all threads) so a tile's broadcasts read one stream.
+//    - panelled w: unit = one panel; each tile runs the whole of K in one call (see
+//      gemm_unit_panelled for why not K blocks).
+//    - stored w: the unit copies its w[kc, width] slice per K block into a contiguous
+//      buffer (w's row stride maps a column panel onto a few cache sets), then the tiles
+//      sweep all M rows, partial sums kept in y between blocks; the K block keeps
+//      x[M, kc] in L2. Below M = 64 units are several panels wide, so w is read in long
+//      runs, and x is read in place.
 //
 // Work is cut in units that the caller and XLA's intra-op thread pool claim from one
 // atomic counter (as in int8_matmul.cc): no thread waits for a task that has not started,
@@ -336,26 +338,19 @@ void pack_x(const Mat& p, const RowTiles& tiles, float* xp, int64_t t) {
     for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = p.x[(m0 + r) * p.K + k];
 }
 
-// Panels [j0, j0 + panels) of a panelled w, all M rows: each K block of a panel is already
-// the contiguous b[kc][16] the tiles want. While a panel's tiles run, the next K block of
-// the same panel is prefetched, a few lines per tile.
-void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels, int64_t kc_max) {
+// Panels [j0, j0 + panels) of a panelled w, all M rows: each row tile runs down the whole
+// of K in one call (the panel is already the contiguous b[K][16] the tile wants), so its
+// accumulators stay in registers from k = 0 to K - 1 and y is written once. Why not K
+// blocks, as for a copied w: between blocks the partial sums went to y, whose rows are N
+// floats apart (N = 3072: 12 KiB, every row of a column panel on one L1 set and few L2
+// sets), so each block reloaded them from L3; measured on the 30 layers' matmuls, M = 512
+// ran at 157 GF/s blocked and 180 K-inner (M = 32: the same). The panel (K x 64 B) stays in
+// L1/L2 across the row tiles; the packed x streams from L2 (L3 for M x K past 512 KiB).
+void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels) {
   const RowTiles rt(p.M);
-  const int64_t tiles = rt.count;
-  for (int64_t k0 = 0; k0 < p.K; k0 += kc_max) {
-    const int64_t kc = std::min(kc_max, p.K - k0);
-    const int64_t ahead = std::min(kc_max, p.K - k0 - kc);   // rows (= lines) of the next block
-    const int64_t per_tile = (ahead + tiles - 1) / tiles;
-    for (int64_t j = j0; j < j0 + panels; ++j) {
-      const float* b = panel_at(p, j, k0);
-      int64_t next = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        for (int64_t e = std::min(ahead, next + per_tile); next < e; ++next)
-          _mm_prefetch(reinterpret_cast<const char*>(b + (kc + next) * kNR), _MM_HINT_T0);
-        gemm_rows(p, xp, rt.start(t), rt.rows(t), j * kNR, kNR, k0, kc, b, k0 == 0);
-      }
-    }
-  }
+  for (int64_t j = j0; j < j0 + panels; ++j)
+    for (int64_t t = 0; t < rt.count; ++t)
+      gemm_rows(p, xp, rt.start(t), rt.rows(t), j * kNR, kNR, 0, p.K, panel_at(p, j, 0), true);
 }
 
 // Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
@@ -365,7 +360,7 @@ void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panel
 // read w in long runs, which is what bounds them.
 void gemm_unit(const Mat& p, const float* xp, int64_t n0, int64_t width, int64_t kc_max) {
   const int64_t panels = (std::min(width, p.N - n0) + kNR - 1) / kNR;
-  if (p.panelled) return gemm_unit_panelled(p, xp, n0 / kNR, panels, kc_max);
+  if (p.panelled) return gemm_unit_panelled(p, xp, n0 / kNR, panels);
   static thread_local std::vector<float> buf;
   const int64_t need = panels * kc_max * kNR + 16;
   if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);

@@ -131,8 +131,9 @@ def test_without_the_kernel_xla_paths(monkeypatch):
                                   np.asarray(L.tiled_matmul(x, w))[:1])
 
 
-# Panel-major weights: N a multiple of 16; K odd, K over one GEMM K block; a head-like N.
-PANEL_SHAPES = [(576, 192), (77, 48), (1536, 64), (64, 16)]
+# Panel-major weights: N a multiple of 16; K odd; a long K; one panel; many panels (units
+# of several panels whose tiles prefetch the next one).
+PANEL_SHAPES = [(576, 192), (77, 48), (1536, 64), (64, 16), (96, 1024)]
 
 
 @needs_kernel

@@ -100,6 +100,11 @@ constexpr int64_t kL2Floats = 64 * 1024;               // x[M, kc] kept under 25
 constexpr int64_t kWideM = JAXINFER_WIDE_M;            // GEMM: M below this: wide units
 constexpr int64_t kMaxWidth = JAXINFER_MAX_WIDTH;      // wide units: at most this many columns
 constexpr int64_t kPackFloats = 32 * 1024;             // wide units: packed w under 128 KiB
+#ifndef JAXINFER_PANEL_ROWS
+#define JAXINFER_PANEL_ROWS 256
+#endif
+constexpr int64_t kPanelRows = JAXINFER_PANEL_ROWS;    // panelled GEMM: rows x panels a unit
+constexpr int64_t kMaxUnitPanels = 8;
 
 struct Mat {
   const float* x;  // [M, K]
@@ -346,11 +351,67 @@ void pack_x(const Mat& p, const RowTiles& tiles, float* xp, int64_t t) {
 // sets), so each block reloaded them from L3; measured on the 30 layers' matmuls, M = 512
 // ran at 157 GF/s blocked and 180 K-inner (M = 32: the same). The panel (K x 64 B) stays in
 // L1/L2 across the row tiles; the packed x streams from L2 (L3 for M x K past 512 KiB).
+// y[R, 16] (ldy) = x (packed tile, [K][R]) @ b[K, 16], the whole of K; meanwhile pf[0 .. npf)
+// rows of 16 floats (the unit's next panel) are prefetched, one line a k.
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+template <int R>
+__attribute__((noinline)) void panel_tile(const float* x, const float* b, int64_t K, float* y,
+                                          int64_t ldy, const float* pf, int64_t npf) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  auto body = [&](int64_t k) __attribute__((always_inline)) {
+    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + k * R + r);
+      a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
+    }
+  };
+  int64_t k = 0;
+  if (npf > 0) {   // one line every `every` k: spread over the tile, not a burst
+    const int64_t every = std::max<int64_t>(1, K / npf);
+    for (int64_t line = 0; line < npf && k + every <= K; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + line * kNR), PF_HINT);
+      for (int64_t e = 0; e < every; ++e, ++k) body(k);
+    }
+  }
+#pragma GCC unroll 2
+  for (; k < K; ++k) body(k);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, a0[r]);
+    _mm256_storeu_ps(y + r * ldy + 8, a1[r]);
+  }
+}
+
 void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels) {
   const RowTiles rt(p.M);
-  for (int64_t j = j0; j < j0 + panels; ++j)
-    for (int64_t t = 0; t < rt.count; ++t)
-      gemm_rows(p, xp, rt.start(t), rt.rows(t), j * kNR, kNR, 0, p.K, panel_at(p, j, 0), true);
+  for (int64_t j = j0; j < j0 + panels; ++j) {
+    const float* b = panel_at(p, j, 0);
+    const float* next = j + 1 < j0 + panels ? panel_at(p, j + 1, 0) : nullptr;
+    // tiles 1 .. count-1 each prefetch a slice of the next panel (tile 0 waits on this one)
+    const int64_t per = next && rt.count > 1 ? (p.K + rt.count - 2) / (rt.count - 1) : 0;
+    for (int64_t t = 0; t < rt.count; ++t) {
+      const int64_t m0 = rt.start(t);
+      const int64_t from = (t - 1) * per;
+      const float* pf = t >= 1 && per ? next + from * kNR : nullptr;
+      const int64_t npf = pf ? std::clamp<int64_t>(p.K - from, 0, per) : 0;
+      const float* x = xp + m0 * p.K;
+      float* y = p.y + m0 * p.N + j * kNR;
+      switch (rt.rows(t)) {
+        case 1: panel_tile<1>(x, b, p.K, y, p.N, pf, npf); break;
+        case 2: panel_tile<2>(x, b, p.K, y, p.N, pf, npf); break;
+        case 3: panel_tile<3>(x, b, p.K, y, p.N, pf, npf); break;
+        case 4: panel_tile<4>(x, b, p.K, y, p.N, pf, npf); break;
+        case 5: panel_tile<5>(x, b, p.K, y, p.N, pf, npf); break;
+        default: panel_tile<6>(x, b, p.K, y, p.N, pf, npf); break;
+      }
+    }
+  }
 }
 
 // Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
@@ -498,8 +559,22 @@ void matmul(ffi::ThreadPool& pool, const Mat& p) {
       xp = xw;
     }
 #endif
-    work->units = (N + width - 1) / width;
-    work->run = [p, xp, width, kc](int64_t u) { gemm_unit(p, xp, u * width, width, kc); };
+    if (p.panelled) {
+      // Units of a few adjacent panels (a tile prefetches the unit's next panel), cut
+      // evenly, at least 4 per thread so no thread waits long for another's last unit,
+      // and ~256 rows x panels at most (a panel of 512 rows is one unit).
+      const int64_t panels = N / kNR, threads = std::max<int64_t>(1, pool.num_threads());
+      const int64_t cap = std::clamp<int64_t>(kPanelRows / M, 1, kMaxUnitPanels);
+      const int64_t units = std::max(std::min(panels, 4 * threads), (panels + cap - 1) / cap);
+      work->units = units;
+      work->run = [p, xp, panels, units](int64_t u) {
+        const int64_t j0 = u * panels / units;
+        gemm_unit_panelled(p, xp, j0, (u + 1) * panels / units - j0);
+      };
+    } else {
+      work->units = (N + width - 1) / width;
+      work->run = [p, xp, width, kc](int64_t u) { gemm_unit(p, xp, u * width, width, kc); };
+    }
   }
   share(pool, work, M * K * N, kInlineMacs);
 }

@@ -4,6 +4,8 @@
     python benchmarks/kernels.py --cpu-quant   # on CPU: f32 vs int8 vs int4 weights (XLA path)
                                                # and the int8 C++ kernel (jax.ffi), then --cpu-f32
     python benchmarks/kernels.py --cpu-f32     # on CPU: the f32 C++ kernel vs XLA's dot
+    python benchmarks/kernels.py --cpu-f32-chain [--kernel-src old=DIR]
+                                               # on CPU: the engine's panelled f32 matmuls
     python benchmarks/kernels.py --smoke tpu   # on CPU: the accelerator code, interpreted
 
 On a TPU or GPU it times, on the same inputs:
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -383,6 +386,71 @@ def cpu_f32(args) -> None:
                                                    for k, s in t.items()), flush=True)
 
 
+def _variant_matmul(name: str, src: Path):
+    """The panelled f32 matmul built from another copy of f32_matmul.cc (``src``: its
+    directory, with work_share.h), registered under its own FFI target: an A/B of kernel
+    versions in one process, e.g. ``git show <rev>:pallas_kernels/cpu/f32_matmul.cc``."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    from pallas_kernels import cpu_build
+    out = Path(tempfile.mkdtemp()) / f"{name}.so"
+    subprocess.run([os.environ.get("CXX", "g++"), *cpu_build.FLAGS, "-I", jax.ffi.include_dir(),
+                    "-I", str(src), str(src / "f32_matmul.cc"), "-o", str(out)], check=True)
+    target = f"bench_f32_{name}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(out))
+                                                          .JaxinferF32MatmulPanels), platform="cpu")
+    return lambda x, w: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
+                                                                      jnp.float32))(x, w.panels)
+
+
+def cpu_f32_chain(args) -> None:
+    """The engine's float32 layout (fused q/k/v and gate/up, panel-major weights): the 120
+    layer matmuls of one step plus the LM head, chained so each call waits for the last,
+    at the batch sizes of decode (M = 1..32) and of packed prefill steps (128, 544). With
+    --kernel-src NAME=DIR, other builds of the kernel run alternately in the same process
+    (outputs checked bitwise equal)."""
+    if not cpu_f32_matmul.available():
+        print(f"\nf32 C++ kernel unavailable: {cpu_f32_matmul.unavailable_reason()}")
+        return
+    rng = np.random.default_rng(0)
+    c = SMOL
+    D, shapes = c["hidden"], [(c["hidden"], c["q"] + 2 * c["kv"]), (c["q"], c["hidden"]),
+                              (c["hidden"], 2 * c["mlp"]), (c["mlp"], c["hidden"])]
+    layers = [[cpu_f32_matmul.panel(jnp.asarray(0.02 * rng.standard_normal(s), jnp.float32))
+               for s in shapes] for _ in range(c["layers"])]
+    head = cpu_f32_matmul.panel(jnp.asarray(0.02 * rng.standard_normal((D, c["vocab"])), jnp.float32))
+    mms = {"repo": cpu_f32_matmul.f32_matmul}
+    for spec in args.kernel_src or []:
+        name, _, d = spec.partition("=")
+        mms[name] = _variant_matmul(name, Path(d))
+
+    def chain(mm):
+        def f(x, x2, layers, head):
+            acc = jnp.zeros((x.shape[0], 1), jnp.float32)
+            for ws in layers:
+                for w in ws:            # a fresh input each call, depending on the last output
+                    y = mm((x if w.shape[0] == D else x2) + 0 * acc, w)
+                    acc = acc + y[:, :1]
+            return acc, mm(x + 0 * acc, head)[:, :8]
+        return jax.jit(f)
+
+    flops_row = 2 * (c["layers"] * sum(k * n for k, n in shapes) + D * c["vocab"])
+    print(f"\nf32 C++ kernel, engine layout: {4 * c['layers']} layer matmuls + LM head, chained "
+          f"(min of {3 if args.quick else 10} rounds, variants alternating)")
+    for M in ((8, 32) if args.quick else (1, 4, 8, 16, 32, 128, 544)):
+        x = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
+        x2 = jnp.asarray(rng.standard_normal((M, c["mlp"])), jnp.float32)
+        fns = {k: chain(mm) for k, mm in mms.items()}
+        outs = {k: np.asarray(f(x, x2, layers, head)[1]) for k, f in fns.items()}
+        for k, o in outs.items():
+            assert np.array_equal(o, outs["repo"]), f"kernel {k} differs from the repo's bits"
+        t = timed(fns, {k: (x, x2, layers, head) for k in fns}, rounds=3 if args.quick else 10)
+        print(f"  M={M:3d} " + "   ".join(f"{k} {s * 1e3:7.1f} ms ({M * flops_row / s / 1e9:5.1f} GFLOP/s)"
+                                          for k, s in t.items()), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,6 +458,11 @@ def main(argv=None) -> int:
                    help="on CPU: time the XLA quantized-matmul path at SmolLM2 shapes")
     p.add_argument("--cpu-f32", action="store_true",
                    help="on CPU: time the f32 C++ kernel against XLA's dot (decode pass, GEMM)")
+    p.add_argument("--cpu-f32-chain", action="store_true",
+                   help="on CPU: the f32 kernel on the engine's panelled weights, a step's "
+                        "chained matmuls at decode and prefill batch sizes")
+    p.add_argument("--kernel-src", action="append", metavar="NAME=DIR",
+                   help="with --cpu-f32-chain: also time f32_matmul.cc from DIR (A/B)")
     p.add_argument("--group", type=int, default=64,
                    help="int4 group size for --cpu-quant (SmolLM2's K = 576 needs 64 or 32)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
@@ -423,6 +496,8 @@ def main(argv=None) -> int:
         cpu_quant(args)
     elif args.cpu_f32:
         cpu_f32(args)
+    elif args.cpu_f32_chain:
+        cpu_f32_chain(args)
     else:
         print("(--cpu-quant / --cpu-f32 time the CPU matmul paths instead)")
     return 0

@@ -23,8 +23,9 @@
 //  * GEMM, M >= 4: register tiles of 4 to 6 rows x 16 columns (12 accumulators, 2 weight
 //    vectors, 1 broadcast of x), the rows cut evenly (RowTiles). x is first packed into
 //    those row tiles (k-major, by all threads) so a tile's broadcasts read one stream.
-//    - panelled w: unit = one panel; each tile runs the whole of K in one call (see
-//      gemm_unit_panelled for why not K blocks).
+//    - panelled w: unit = a few adjacent panels; each tile runs the whole of K in one
+//      call (see gemm_unit_panelled for why not K blocks) and prefetches its slice of
+//      the unit's next panel.
 //    - stored w: the unit copies its w[kc, width] slice per K block into a contiguous
 //      buffer (w's row stride maps a column panel onto a few cache sets), then the tiles
 //      sweep all M rows, partial sums kept in y between blocks; the K block keeps
@@ -104,7 +105,7 @@ constexpr int64_t kPackFloats = 32 * 1024;             // wide units: packed w u
 #define JAXINFER_PANEL_ROWS 256
 #endif
 constexpr int64_t kPanelRows = JAXINFER_PANEL_ROWS;    // panelled GEMM: rows x panels a unit
-constexpr int64_t kMaxUnitPanels = 8;
+constexpr int64_t kMaxUnitPanels = 8;                  // panelled GEMM: panels a unit, at most
 
 struct Mat {
   const float* x;  // [M, K]

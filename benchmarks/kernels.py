@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -391,16 +390,11 @@ def _variant_matmul(name: str, src: Path):
     directory, with work_share.h), registered under its own FFI target: an A/B of kernel
     versions in one process, e.g. ``git show <rev>:pallas_kernels/cpu/f32_matmul.cc``."""
     import ctypes
-    import subprocess
-    import tempfile
 
     from pallas_kernels import cpu_build
-    out = Path(tempfile.mkdtemp()) / f"{name}.so"
-    subprocess.run([os.environ.get("CXX", "g++"), *cpu_build.FLAGS, "-I", jax.ffi.include_dir(),
-                    "-I", str(src), str(src / "f32_matmul.cc"), "-o", str(out)], check=True)
+    lib = ctypes.cdll.LoadLibrary(str(cpu_build.build(src / "f32_matmul.cc")))
     target = f"bench_f32_{name}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(out))
-                                                          .JaxinferF32MatmulPanels), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxinferF32MatmulPanels), platform="cpu")
     return lambda x, w: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
                                                                       jnp.float32))(x, w.panels)
 

@@ -264,12 +264,19 @@ struct RowTiles {
   int64_t rows(int64_t t) const { return base + (t < extra ? 1 : 0); }
 };
 
+// Lines to prefetch while a tile runs (the unit's next panel), spread over its k loop.
+struct Prefetch {
+  const float* at = nullptr;   // rows of 16 floats, one cache line each
+  int64_t lines = 0;
+};
+
 // c[R, 16] (ldc) (+)= x[R, kc] (ldx) @ b[kc, 16]: the register tile. The accumulators live
-// in registers for the whole loop (no branches in here: GCC then keeps the arrays in ymm).
-// kFirst: the chain starts at zero (c is only written).
+// in registers for the whole loop (no branches in the FMA body: GCC then keeps the arrays
+// in ymm). kFirst: the chain starts at zero (c is only written). `pf`: one line every
+// kc / pf.lines k, so the next weights stream in while the FMAs run, not in a burst.
 template <int R, bool kPackedX, bool kFirst>
 __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const float* b, int64_t kc,
-                                          float* c, int64_t ldc) {
+                                          float* c, int64_t ldc, Prefetch pf) {
   // x[r, k] at x + r * ldx + k, or in a packed row tile (see pack_x) at x + k * R + r.
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
@@ -277,8 +284,7 @@ __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const flo
     a0[r] = kFirst ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
     a1[r] = kFirst ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
   }
-#pragma GCC unroll 2
-  for (int64_t k = 0; k < kc; ++k) {
+  auto body = [&](int64_t k) __attribute__((always_inline)) {
     const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -286,7 +292,17 @@ __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const flo
       a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
       a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
     }
+  };
+  int64_t k = 0;
+  if (pf.lines > 0) {
+    const int64_t every = std::max<int64_t>(1, kc / pf.lines);
+    for (int64_t line = 0; line < pf.lines && k + every <= kc; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf.at + line * kNR), _MM_HINT_T0);
+      for (int64_t e = 0; e < every; ++e, ++k) body(k);
+    }
   }
+#pragma GCC unroll 2
+  for (; k < kc; ++k) body(k);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(c + r * ldc, a0[r]);
@@ -298,40 +314,40 @@ __attribute__((noinline)) void micro_tile(const float* x, int64_t ldx, const flo
 // chain starts at zero; otherwise it continues from the partial sums stored in y.
 template <int R, bool kPackedX>
 void gemm_tile(const Mat& p, const float* xp, int64_t m0, int64_t n0, int ncols, int64_t k0,
-               int64_t kc, const float* b, bool first) {
+               int64_t kc, const float* b, bool first, Prefetch pf) {
   float* y = p.y + m0 * p.N + n0;
   // a packed tile starting at row m0 lies at xp + m0 * K, k-major (see pack_x)
   const float* x = kPackedX ? xp + m0 * p.K + k0 * R : p.x + m0 * p.K + k0;
   if (ncols == kNR) {
-    if (first) return micro_tile<R, kPackedX, true>(x, p.K, b, kc, y, p.N);
-    return micro_tile<R, kPackedX, false>(x, p.K, b, kc, y, p.N);
+    if (first) return micro_tile<R, kPackedX, true>(x, p.K, b, kc, y, p.N, pf);
+    return micro_tile<R, kPackedX, false>(x, p.K, b, kc, y, p.N, pf);
   }
   alignas(32) float edge[R * kNR];      // a partial last panel goes through here
   std::memset(edge, 0, sizeof(edge));
   if (!first)
     for (int r = 0; r < R; ++r) std::memcpy(edge + r * kNR, y + r * p.N, ncols * sizeof(float));
-  micro_tile<R, kPackedX, false>(x, p.K, b, kc, edge, kNR);
+  micro_tile<R, kPackedX, false>(x, p.K, b, kc, edge, kNR, pf);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * p.N, edge + r * kNR, ncols * sizeof(float));
 }
 
 template <bool kPackedX>
 void gemm_rows_as(const Mat& p, const float* xp, int64_t m0, int64_t rows, int64_t n0, int ncols,
-                  int64_t k0, int64_t kc, const float* b, bool first) {
+                  int64_t k0, int64_t kc, const float* b, bool first, Prefetch pf) {
   switch (rows) {
-    case 1: return gemm_tile<1, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
-    case 2: return gemm_tile<2, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
-    case 3: return gemm_tile<3, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
-    case 4: return gemm_tile<4, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
-    case 5: return gemm_tile<5, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
-    default: return gemm_tile<6, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first);
+    case 1: return gemm_tile<1, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
+    case 2: return gemm_tile<2, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
+    case 3: return gemm_tile<3, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
+    case 4: return gemm_tile<4, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
+    case 5: return gemm_tile<5, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
+    default: return gemm_tile<6, kPackedX>(p, xp, m0, n0, ncols, k0, kc, b, first, pf);
   }
 }
 
 // xp: x packed by pack_x, or nullptr (tiles read x in place).
 void gemm_rows(const Mat& p, const float* xp, int64_t m0, int64_t rows, int64_t n0, int ncols,
-               int64_t k0, int64_t kc, const float* b, bool first) {
-  if (xp) return gemm_rows_as<true>(p, xp, m0, rows, n0, ncols, k0, kc, b, first);
-  gemm_rows_as<false>(p, nullptr, m0, rows, n0, ncols, k0, kc, b, first);
+               int64_t k0, int64_t kc, const float* b, bool first, Prefetch pf = {}) {
+  if (xp) return gemm_rows_as<true>(p, xp, m0, rows, n0, ncols, k0, kc, b, first, pf);
+  gemm_rows_as<false>(p, nullptr, m0, rows, n0, ncols, k0, kc, b, first, pf);
 }
 
 // Row tile t of x (R rows from m0, see RowTiles) k-major at xp + m0 * K: [k][R]. A tile's
@@ -352,40 +368,6 @@ void pack_x(const Mat& p, const RowTiles& tiles, float* xp, int64_t t) {
 // sets), so each block reloaded them from L3; measured on the 30 layers' matmuls, M = 512
 // ran at 157 GF/s blocked and 180 K-inner (M = 32: the same). The panel (K x 64 B) stays in
 // L1/L2 across the row tiles; the packed x streams from L2 (L3 for M x K past 512 KiB).
-// y[R, 16] (ldy) = x (packed tile, [K][R]) @ b[K, 16], the whole of K; meanwhile pf[0 .. npf)
-// rows of 16 floats (the unit's next panel) are prefetched, one line a k.
-template <int R>
-__attribute__((noinline)) void panel_tile(const float* x, const float* b, int64_t K, float* y,
-                                          int64_t ldy, const float* pf, int64_t npf) {
-  __m256 a0[R], a1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  auto body = [&](int64_t k) __attribute__((always_inline)) {
-    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + k * R + r);
-      a0[r] = _mm256_fmadd_ps(xb, b0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xb, b1, a1[r]);
-    }
-  };
-  int64_t k = 0;
-  if (npf > 0) {   // one line every `every` k: spread over the tile, not a burst
-    const int64_t every = std::max<int64_t>(1, K / npf);
-    for (int64_t line = 0; line < npf && k + every <= K; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + line * kNR), _MM_HINT_T0);
-      for (int64_t e = 0; e < every; ++e, ++k) body(k);
-    }
-  }
-#pragma GCC unroll 2
-  for (; k < K; ++k) body(k);
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, a0[r]);
-    _mm256_storeu_ps(y + r * ldy + 8, a1[r]);
-  }
-}
-
 void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels) {
   const RowTiles rt(p.M);
   for (int64_t j = j0; j < j0 + panels; ++j) {
@@ -396,32 +378,21 @@ void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panel
     // ~70 without; slices only in tiles 1.. gave ~79).
     const int64_t per = next ? (p.K + rt.count - 1) / rt.count : 0;
     for (int64_t t = 0; t < rt.count; ++t) {
-      const int64_t m0 = rt.start(t);
       const int64_t from = t * per;
-      const float* pf = per ? next + from * kNR : nullptr;
-      const int64_t npf = pf ? std::clamp<int64_t>(p.K - from, 0, per) : 0;
-      const float* x = xp + m0 * p.K;
-      float* y = p.y + m0 * p.N + j * kNR;
-      switch (rt.rows(t)) {
-        case 1: panel_tile<1>(x, b, p.K, y, p.N, pf, npf); break;
-        case 2: panel_tile<2>(x, b, p.K, y, p.N, pf, npf); break;
-        case 3: panel_tile<3>(x, b, p.K, y, p.N, pf, npf); break;
-        case 4: panel_tile<4>(x, b, p.K, y, p.N, pf, npf); break;
-        case 5: panel_tile<5>(x, b, p.K, y, p.N, pf, npf); break;
-        default: panel_tile<6>(x, b, p.K, y, p.N, pf, npf); break;
-      }
+      const Prefetch pf = per ? Prefetch{next + from * kNR, std::clamp<int64_t>(p.K - from, 0, per)}
+                              : Prefetch{};
+      gemm_rows(p, xp, rt.start(t), rt.rows(t), j * kNR, kNR, 0, p.K, b, true, pf);
     }
   }
 }
 
-// Columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block the unit copies
-// w[k0 .. k0+kc, n0 .. n0+width) into panel-major b[width/16][kc][16] (zero past column N),
-// reading each row of w sequentially across the unit's width, then each panel's 6x16 tiles
-// sweep all rows. Narrow units (one panel) for large M keep b in L1; wide ones for small M
-// read w in long runs, which is what bounds them.
+// A stored [K, N] w: columns [n0, n0 + width) of y (panels of 16), all M rows. Per K block
+// the unit copies w[k0 .. k0+kc, n0 .. n0+width) into panel-major b[width/16][kc][16] (zero
+// past column N), reading each row of w sequentially across the unit's width, then each
+// panel's row tiles sweep all rows. Narrow units (one panel) for large M keep b in L1; wide
+// ones for small M read w in long runs, which is what bounds them.
 void gemm_unit(const Mat& p, const float* xp, int64_t n0, int64_t width, int64_t kc_max) {
   const int64_t panels = (std::min(width, p.N - n0) + kNR - 1) / kNR;
-  if (p.panelled) return gemm_unit_panelled(p, xp, n0 / kNR, panels);
   static thread_local std::vector<float> buf;
   const int64_t need = panels * kc_max * kNR + 16;
   if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);

@@ -14,7 +14,8 @@ answers, streaming or not. While the engine works, the client's connection is wa
 (an ``http.disconnect`` from ``receive()``, raced against the generator, no polling): a
 client that goes away has its request aborted, which frees its KV pages.
 
-Status codes: 400 bad input (422 on TGI routes, as TGI does), 401 missing/wrong API key,
+Status codes: 400 bad input (422 on TGI routes, as TGI does; every error on a TGI route
+comes in TGI's ``{"error", "error_type"}`` shape), 401 missing/wrong API key,
 404/405 unknown route or method, 413 body too large, 503 queue full / engine not ready or
 dead (with Retry-After). A 500 means a bug in this server: it is logged and counted in
 ``state.internal_errors``, which the tests assert stays at zero for hostile input.
@@ -205,10 +206,15 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(P.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
+# The TGI routes answer in TGI's error shape, also for errors raised before a handler runs.
+TGI_PATHS = frozenset({"/generate", "/generate_stream", "/info"})
+
+
 def error_response(e: P.ProtocolError, tgi: bool = False) -> Response:
     if tgi:
-        kind = {401: "authentication", 413: "validation", 503: "overloaded"}.get(e.status, "validation")
-        return json_response(P.tgi_error_body(e.message, kind), e.status, e.headers)
+        kind = {401: "authentication", 500: "generation", 503: "overloaded"}.get(e.status, "validation")
+        status = 422 if e.status == 400 else e.status     # TGI answers every bad input with 422
+        return json_response(P.tgi_error_body(e.message, kind), status, e.headers)
     return json_response(P.openai_error_body(e.message, e.err_type, e.param, e.code), e.status, e.headers)
 
 
@@ -555,14 +561,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     elif status == 405:
         detail = f"method {request.method} is not allowed on {request.url.path}"
     return error_response(P.ProtocolError(detail, status=status, code=str(status),
-                                          headers=getattr(exc, "headers", None) or None))
+                                          headers=getattr(exc, "headers", None) or None),
+                          tgi=request.url.path in TGI_PATHS)
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
     st: ServerState = request.app.state.jx
     st.internal_errors += 1
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(P.ProtocolError("internal server error", status=500, code="internal_error"))
+    return error_response(P.ProtocolError("internal server error", status=500, code="internal_error"),
+                          tgi=request.url.path in TGI_PATHS)
 
 
 def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory | None = None,

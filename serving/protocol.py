@@ -74,8 +74,24 @@ def bad(param: str, msg: str, **kw: Any) -> ProtocolError:
 
 # ------------------------------------------------------------------ JSON
 
+# Longer integer literals are refused while parsing: no field takes one (seeds stop at 20
+# digits), and Python's own limit (4300 digits) would answer with an interpreter hint.
+MAX_INT_DIGITS = 64
+
+
+class _BadLiteral(ValueError):
+    """A JSON literal we refuse; its message is written for the client."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _BadLiteral(f"{name} is not valid JSON")
+
+
+def _parse_int(s: str) -> int:
+    if len(s) > MAX_INT_DIGITS + 1:
+        raise _BadLiteral(f"an integer literal has {len(s.lstrip('-'))} digits (at most "
+                          f"{MAX_INT_DIGITS} are accepted)")
+    return int(s)
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -87,11 +103,13 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError as e:
         raise ProtocolError(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_json")
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise ProtocolError("request body is nested too deeply", code="invalid_json")
-    except ValueError as e:   # JSONDecodeError, NaN/Infinity, over-long integer literals
+    except (json.JSONDecodeError, _BadLiteral) as e:   # their messages name only the input
         raise ProtocolError(f"request body is not valid JSON: {e}", code="invalid_json")
+    except ValueError:   # anything else the decoder raises: its text may be about Python
+        raise ProtocolError("request body is not valid JSON", code="invalid_json")
     if not isinstance(body, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}",
                             code="invalid_json")

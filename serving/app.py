@@ -92,6 +92,7 @@ class ServerState:
     engine_shutdown_timeout: float = 10.0
     on_ready: Callable[[], None] | None = None                  # engine available (loaded)
     on_load_error: Callable[[BaseException], None] | None = None
+    tracing: Any = None          # serving.tracing.RequestTracing when traces are exported
     internal_errors: int = 0
     load_error: str | None = None
     load_task: asyncio.Task | None = None
@@ -340,10 +341,22 @@ async def _collect(gen: Any, first: RequestOutput, tracker: RequestTracker) -> R
     return last
 
 
+def _trace_hook(st: ServerState, request: Request, req: P.GenRequest,
+                received: float) -> Callable[[RequestOutput | None, bool], None] | None:
+    tracing = st.tracing
+    if tracing is None:
+        return None
+    name = f"{request.method} {request.url.path}"
+    return lambda out, aborted: tracing.record(
+        name=name, headers=request.headers, model=req.model or st.metric_model_name(),
+        request_id=req.request_id, received=received, out=out, aborted=aborted)
+
+
 async def run_generation(request: Request, st: ServerState, engine: EngineLike,
-                         req: P.GenRequest) -> Response:
+                         req: P.GenRequest, received: float | None = None) -> Response:
     tgi = req.kind == "tgi"
-    tracker = st.metrics.tracker()
+    received = time.monotonic() if received is None else received
+    tracker = st.metrics.tracker(_trace_hook(st, request, req, received))
     gen = engine.generate(req.prompt_ids, req.params, req.request_id)
     try:
         first = await race_disconnect(request, _first_output(gen, req))
@@ -481,10 +494,11 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
 
 
 async def _gen_route(request: Request, st: ServerState, parse: Callable[..., P.GenRequest]) -> Response:
+    received = time.monotonic()
     engine = st.ready_engine()
     body = P.parse_json_body(await read_body(request, st.max_body_bytes))
     req = parse(body, st.limits(engine), engine.tokenizer)
-    return await run_generation(request, st, engine, req)
+    return await run_generation(request, st, engine, req, received)
 
 
 async def completions(request: Request, st: ServerState) -> Response:
@@ -578,14 +592,16 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               retry_after_s: int = 1, shutdown_engine: bool = True,
               engine_shutdown_timeout: float = 10.0, on_ready: Callable[[], None] | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None) -> Starlette:
+              on_load_error: Callable[[BaseException], None] | None = None,
+              tracing: Any = None) -> Starlette:
     """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
 
     A factory is called once the server is listening, so /health can answer 503 while the
     model loads and warms up: a coroutine function is awaited on the loop, a plain
     function runs in a worker thread (it may return an awaitable, which is then awaited).
     ``on_ready`` is called once the engine is there (at startup, or when the factory
-    returns); ``on_load_error`` if the factory raises.
+    returns); ``on_load_error`` if the factory raises. ``tracing``: a
+    ``serving.tracing.RequestTracing`` (shut down with the app), or None for no traces.
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("build_app: pass exactly one of engine, engine_factory")
@@ -594,7 +610,7 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                      api_key=api_key or None, max_body_bytes=max_body_bytes, max_n=max_n,
                      retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
-                     on_load_error=on_load_error)
+                     on_load_error=on_load_error, tracing=tracing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -613,6 +629,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                     await asyncio.wait_for(st.engine.shutdown(), st.engine_shutdown_timeout)
                 except Exception:
                     log.exception("engine shutdown failed")
+            if st.tracing is not None:      # flush the spans still batched
+                await asyncio.to_thread(st.tracing.shutdown)
 
     routes = [
         Route("/v1/completions", endpoint(completions), methods=["POST"]),

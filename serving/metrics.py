@@ -108,17 +108,20 @@ class ServingMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def tracker(self, on_finish: Callable[[RequestOutput | None, bool], None] | None = None
+                ) -> "RequestTracker":
+        return RequestTracker(self, on_finish)
 
 
 class RequestTracker:
     """Follows one request's outputs as they arrive and records its metrics once at the end."""
 
-    __slots__ = ("m", "start", "last_time", "first_time", "ntok", "done")
+    __slots__ = ("m", "start", "last_time", "first_time", "ntok", "done", "on_finish")
 
-    def __init__(self, metrics: ServingMetrics) -> None:
+    def __init__(self, metrics: ServingMetrics,
+                 on_finish: Callable[[RequestOutput | None, bool], None] | None = None) -> None:
         self.m = metrics
+        self.on_finish = on_finish       # (last output, aborted): e.g. write the trace
         self.start = time.monotonic()
         self.last_time: float | None = None
         self.first_time: float | None = None
@@ -170,3 +173,8 @@ class RequestTracker:
                 self.m.tpot.labels(name).observe(max(0.0, finished - first_tok) / (longest - 1))
         reason = "abort" if aborted or out is None or not out.outputs else (out.outputs[0].finish_reason or "abort")
         self.m.success.labels(name, reason).inc()
+        if self.on_finish is not None:
+            try:
+                self.on_finish(out, aborted)
+            except Exception:   # observability must never fail a request
+                log.exception("request finish hook failed")

@@ -57,17 +57,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export a trace per request over OTLP/HTTP to URL "
+                        "(e.g. http://localhost:4318/v1/traces); default: no tracing")
+    g.add_argument("--otlp-service-name", default="jaxinfer",
+                   help="service.name of the exported traces (default jaxinfer)")
 
 
 def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
     """``jaxinfer serve``: serve ``engine`` (an AsyncEngine or a zero-argument factory), or,
     when it is None, the engine the CLI's engine options describe (loaded after listening)."""
+    tracing = None
+    if getattr(args, "otlp_traces_endpoint", None):   # imported only when asked for
+        from serving.tracing import RequestTracing
+
+        tracing = RequestTracing(args.otlp_traces_endpoint, service_name=args.otlp_service_name)
     if engine is None:
         engine = engine_factory_from_args(args)
     return run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                       served_model_names=args.served_model_name, max_body_bytes=args.max_request_bytes,
                       max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      access_log=not args.no_access_log)
+                      access_log=not args.no_access_log, tracing=tracing)
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
@@ -91,7 +101,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
 def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_n: int = DEFAULT_MAX_N, shutdown_timeout: float = 30.0, log_level: str = "info",
-               access_log: bool = True, sock: socket.socket | None = None) -> int:
+               access_log: bool = True, sock: socket.socket | None = None, tracing: Any = None) -> int:
     """Serve until SIGTERM / SIGINT; return 0 after a graceful shutdown.
 
     ``engine`` is either ready (has ``generate``) or a zero-argument factory called after
@@ -117,7 +127,7 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
     app = build_app(engine if is_engine else None, engine_factory=None if is_engine else engine,
                     served_model_names=served_model_names, api_key=api_key,
                     max_body_bytes=max_body_bytes, max_n=max_n, on_ready=on_ready,
-                    on_load_error=on_load_error)
+                    on_load_error=on_load_error, tracing=tracing)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)

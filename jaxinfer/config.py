@@ -23,6 +23,8 @@ LLAMA_FAMILY = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# HF `layer_types` entries ModelConfig understands (see ModelConfig.layer_window).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _require(cond: bool, name: str, msg: str) -> None:
@@ -74,6 +76,14 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention (Gemma 2/3): HF's `layer_types` ("sliding_attention" layers use
+    # `sliding_window`, "full_attention" layers see everything); None: every layer uses
+    # `sliding_window`. Read through `layer_window` / `attention_kwargs`, never directly.
+    layer_types: tuple[str, ...] | None = None
+    attn_scale: float | None = None      # softmax scale; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None   # scores -> cap * tanh(scores / cap) (attn_logit_softcapping)
+    final_soft_cap: float | None = None  # the same on the logits (final_logit_softcapping)
+    rope_local_theta: float | None = None  # rotary base of sliding layers (rope_local_base_freq)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -90,10 +100,37 @@ class ModelConfig:
                  f"unsupported activation {self.hidden_act!r} (supported: silu, gelu, gelu_pytorch_tanh)")
         _require(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
                  f"must be a positive integer or null, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            _require(len(self.layer_types) == self.num_layers, "layer_types",
+                     f"has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            _require(not bad, "layer_types", f"unsupported layer type(s) {bad} (supported: "
+                     f"{', '.join(LAYER_TYPES)})")
+            _require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
+                     "sliding_window", "layer_types has sliding_attention layers but no window")
+        for name in ("attn_scale", "attn_soft_cap", "final_soft_cap", "rope_local_theta"):
+            v = getattr(self, name)
+            _require(v is None or v > 0, name, f"must be > 0 or null, got {v!r}")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: full attention)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def attention_kwargs(self, layer: int) -> dict[str, Any]:
+        """The static keyword arguments every attention implementation takes for ``layer``
+        (attention/xla.py's signature): the one place a layer's attention options are read."""
+        return {"sm_scale": self.sm_scale, "sliding_window": self.layer_window(layer),
+                "soft_cap": self.attn_soft_cap}
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> "ModelConfig":
@@ -103,70 +140,77 @@ class ModelConfig:
                  "config.json must list the model class, e.g. [\"LlamaForCausalLM\"]")
         arch = archs[0]
         if arch not in LLAMA_FAMILY:
-            raise ValueError(f"architectures: unsupported architecture {arch!r}; "
-                             f"supported: {', '.join(LLAMA_FAMILY)}")
+            # Other families parse their own fields (models/<family>.py, via the registry,
+            # which raises for an unknown architecture with the list of supported ones).
+            from jaxinfer.models.registry import config_parser
+            return config_parser(arch)(d)
+        return cls(**hf_common_fields(d, arch))
 
-        def need(key: str) -> Any:
-            if key not in d or d[key] is None:
-                raise ValueError(f"{key}: missing from config.json (required for {arch})")
-            return d[key]
 
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        head_dim = d.get("head_dim") or hidden // num_heads
-        rs = d.get("rope_scaling") or None
-        if rs is None and isinstance(d.get("rope_parameters"), Mapping):
-            # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
-            rp = d["rope_parameters"]
-            if rp.get("rope_type", "default") != "default":
-                rs = rp
-        scaling = None
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype not in (None, "default"):
-                scaling = RopeScaling(
-                    rope_type=rtype,
-                    factor=float(rs.get("factor", 1.0)),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(
-                        rs.get("original_max_position_embeddings", 8192)),
-                )
-        theta = d.get("rope_theta")
-        if theta is None and isinstance(d.get("rope_parameters"), Mapping):
-            theta = d["rope_parameters"].get("rope_theta")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attn_bias = bool(d.get("attention_bias", False))
-        sliding = None
-        if arch == "MistralForCausalLM":
-            sliding = d.get("sliding_window")
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: Qwen sliding-window layers are not supported")
-        return cls(
-            architecture=arch,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attn_bias,
-            o_bias=attn_bias and not is_qwen2,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=int(sliding) if sliding else None,
-            hidden_act=str(d.get("hidden_act", "silu")),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-        )
+def hf_common_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig fields of an HF config.json dict as the Llama family reads them; other
+    families start from these and override/add their own."""
+    def need(key: str) -> Any:
+        if key not in d or d[key] is None:
+            raise ValueError(f"{key}: missing from config.json (required for {arch})")
+        return d[key]
+
+    num_heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    head_dim = d.get("head_dim") or hidden // num_heads
+    rs = d.get("rope_scaling") or None
+    if rs is None and isinstance(d.get("rope_parameters"), Mapping):
+        # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
+        rp = d["rope_parameters"]
+        if rp.get("rope_type", "default") != "default":
+            rs = rp
+    scaling = None
+    if rs:
+        rtype = rs.get("rope_type", rs.get("type"))
+        if rtype not in (None, "default"):
+            scaling = RopeScaling(
+                rope_type=rtype,
+                factor=float(rs.get("factor", 1.0)),
+                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    rs.get("original_max_position_embeddings", 8192)),
+            )
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(d.get("rope_parameters"), Mapping):
+        theta = d["rope_parameters"].get("rope_theta")
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attn_bias = bool(d.get("attention_bias", False))
+    sliding = None
+    if arch == "MistralForCausalLM":
+        sliding = d.get("sliding_window")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: Qwen sliding-window layers are not supported")
+    return dict(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_scaling=scaling,
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or attn_bias,
+        o_bias=attn_bias and not is_qwen2,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=int(sliding) if sliding else None,
+        hidden_act=str(d.get("hidden_act", "silu")),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+    )
 
 
 @dataclass(frozen=True, slots=True)

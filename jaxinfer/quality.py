@@ -29,8 +29,7 @@ def _tail_logits(graphdef, state, tokens, n, *, count: int, kv_int8: bool):
     cfg = model.cfg
     Lp = tokens.shape[0]
     positions = jnp.arange(Lp, dtype=jnp.int32)
-    attn = paged_contiguous_attention(positions[None], n[None], Lp, cfg.head_dim ** -0.5,
-                                      cfg.sliding_window)
+    attn = paged_contiguous_attention(positions[None], n[None], Lp, cfg)
     spec = KVCacheSpec(cfg.num_layers, Lp // PAGE, PAGE, cfg.num_kv_heads, cfg.head_dim,
                        "int8" if kv_int8 else model.dtype)
     cache = allocate_kv_cache(spec)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import Logprob, SamplingParams
+from jaxinfer.config import Logprob, ModelConfig, SamplingParams
 from jaxinfer.attention.contiguous import contiguous_attention
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
@@ -62,7 +62,7 @@ def _engine_attention(kv_dtype) -> Callable:
 
 
 def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len: int,
-                               scale: float, window: int | None):
+                               cfg: ModelConfig):
     """AttentionFn over per-layer pages [B * max_len / PAGE, PAGE, KVH, D], row b owning
     pages [b * max_len / PAGE, (b + 1) * max_len / PAGE): the engine's attention on a
     contiguous layout. tokens are [B * seq] row-major at ``positions`` i32[B, seq]."""
@@ -79,7 +79,7 @@ def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len
         o = _engine_attention(k_pages.dtype)(q, k_pages, v_pages, kv_lens, q_lens, page_table,
                                    num_decode=B if seq == 1 else 0,
                                    prefill_chunk=0 if seq == 1 else seq,
-                                   sm_scale=scale, sliding_window=window)
+                                   **cfg.attention_kwargs(layer))
         return o, (k_pages, v_pages)
 
     return attn
@@ -92,12 +92,11 @@ def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
     model = nnx.merge(graphdef, state)
     B, seq = tokens.shape
     cfg = model.cfg
-    scale = cfg.head_dim ** -0.5
     if paged:
         max_len = cache[0][0].shape[0] * PAGE // B
-        attn = paged_contiguous_attention(positions, kv_lens, max_len, scale, cfg.sliding_window)
+        attn = paged_contiguous_attention(positions, kv_lens, max_len, cfg)
     else:
-        attn = contiguous_attention(positions, B, seq, scale, cfg.sliding_window)
+        attn = contiguous_attention(positions, B, seq, cfg)
     mm = L.tiled_matmul if invariant else L.matmul
     logits, cache = model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index, mm)
     out = S.sample(logits, t, num_logprobs, prompt_mask=prompt_mask, output_counts=counts)
@@ -205,13 +204,12 @@ class ReferenceGenerator:
         model = nnx.merge(self.graphdef, self.state)
         tokens = jnp.asarray(prompt, jnp.int32)[None]
         positions = jnp.arange(n, dtype=jnp.int32)[None]
-        scale, window = self.cfg.head_dim ** -0.5, self.cfg.sliding_window
         if self.paged:
             max_len = -(-n // 128) * 128
-            attn = paged_contiguous_attention(positions, jnp.array([n], jnp.int32), max_len, scale, window)
+            attn = paged_contiguous_attention(positions, jnp.array([n], jnp.int32), max_len, self.cfg)
         else:
             max_len = n
-            attn = contiguous_attention(positions, 1, n, scale, window)
+            attn = contiguous_attention(positions, 1, n, self.cfg)
         mm = L.tiled_matmul if self.invariant else L.matmul
         logits, _ = model(tokens[0], positions[0], self._cache(1, max_len), attn, None, mm)
         return np.asarray(logits)

@@ -11,13 +11,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.config import ModelConfig
 
-def contiguous_attention(positions: jax.Array, batch: int, seq: int, scale: float,
-                         window: int | None):
+
+def contiguous_attention(positions: jax.Array, batch: int, seq: int, cfg: ModelConfig):
     """AttentionFn over caches (k, v) of [B, M, KVH, D]; tokens are [B*seq] row-major and
-    ``positions`` i32[B, seq] are their absolute positions (where their K/V are written)."""
+    ``positions`` i32[B, seq] are their absolute positions (where their K/V are written).
+    Each layer's scale, window and soft-cap come from ``cfg.attention_kwargs``."""
 
     def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any):
+        opts = cfg.attention_kwargs(layer)
+        scale, window, cap = opts["sm_scale"], opts["sliding_window"], opts["soft_cap"]
         kc, vc = cache
         B, M, KVH, D = kc.shape
         H = q.shape[1]
@@ -26,6 +30,8 @@ def contiguous_attention(positions: jax.Array, batch: int, seq: int, scale: floa
         vc = vc.at[rows, positions].set(v.reshape(batch, seq, KVH, D).astype(vc.dtype))
         q5 = q.reshape(batch, seq, KVH, H // KVH, D)
         s = jnp.einsum("bskgd,bmkd->bkgsm", q5, kc, preferred_element_type=jnp.float32) * scale
+        if cap is not None:
+            s = cap * jnp.tanh(s / cap)
         kv_pos = jnp.arange(M)[None, None, :]
         mask = kv_pos <= positions[:, :, None]                                # [B, seq, M]
         if window is not None:

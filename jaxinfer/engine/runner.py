@@ -29,6 +29,7 @@ from flax import nnx
 from jax import lax
 
 from jaxinfer import quantization
+from jaxinfer.config import ModelConfig
 from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
@@ -41,14 +42,15 @@ NUM_LOGPROBS = 20   # top-K capacity of every executable (SamplingParams.MAX_LOG
 
 
 def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_lens, q_lens,
-                       page_table, scale: float, window: int | None):
-    """AttentionFn for the model: write this step's K/V into the pages, then attend."""
+                       page_table, cfg: ModelConfig):
+    """AttentionFn for the model: write this step's K/V into the pages, then attend with
+    the layer's options (scale, sliding window, soft-cap: ModelConfig.attention_kwargs)."""
 
     def attn(layer: int, q, k, v, cache):
         k_pages, v_pages = kvc.write_kv(cache[0], cache[1], k, v, slot_mapping)
         o = attention(q, k_pages, v_pages, kv_lens, q_lens, page_table,
                       num_decode=bucket.num_decode, prefill_chunk=bucket.prefill_chunk,
-                      sm_scale=scale, sliding_window=window)
+                      **cfg.attention_kwargs(layer))
         return o, (k_pages, v_pages)
 
     return attn
@@ -85,8 +87,7 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Buc
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
-                              arrays["q_lens"], arrays["page_table"], cfg.head_dim ** -0.5,
-                              cfg.sliding_window)
+                              arrays["q_lens"], arrays["page_table"], cfg)
     return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama import LlamaForCausalLM, params_from_flat, weight_specs
+from jaxinfer.models.base import params_from_flat, weight_specs
+from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.registry import model_class
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -53,7 +53,7 @@ def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
     from jaxinfer.loading.tokenizer import Tokenizer
     from jaxinfer import sharding
     from jaxinfer.loading import build_model
-    from jaxinfer.models.llama import weight_specs
+    from jaxinfer.models.base import weight_specs
 
     path = os.path.abspath(path)
     meta = read_json(os.path.join(path, MARKER), "converted checkpoint marker")

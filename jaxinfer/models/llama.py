@@ -14,28 +14,17 @@ That keeps one layer function for prefill, decode and any mix of the two.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, hf_common_fields
 from jaxinfer.models import layers as L
-
-
-@dataclass(frozen=True, slots=True)
-class WeightSpec:
-    """One weight: our shape (matmul weights are [in, out]), logical axes, HF source."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]   # logical axis names; sharding.py maps them to mesh axes
-    hf_name: str
-    transpose: bool = False        # HF/torch stores linear weights as [out, in]
-    init: str = "normal"           # "normal" | "ones" | "zeros" (random init for tests)
+# Re-exported: the family-neutral pieces used to live here and are imported from here.
+from jaxinfer.models.base import (AttentionFn, MatmulFn, WeightSpec, flat_params,  # noqa: F401
+                                  init_value, params_from_flat)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
@@ -80,28 +69,6 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
-MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]   # x [T, K], w [K, N] -> [T, N]
-
-
-class AttentionFn(Protocol):
-    """Attention over a layer's KV cache; the cache layout is the callee's business.
-
-    q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (rotary applied) ->
-    (out [T, num_heads, head_dim], the layer's updated cache).
-    """
-
-    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                 cache: Any) -> tuple[jax.Array, Any]: ...
-
-
-def _init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
-    if spec.init == "ones":
-        return jnp.ones(spec.shape, dtype)
-    if spec.init == "zeros":
-        return jnp.zeros(spec.shape, dtype)
-    return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
-
-
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + gated MLP. Attributes are named after ``weight_specs`` paths."""
 
@@ -110,65 +77,106 @@ class DecoderLayer(nnx.Module):
         prefix = f"layers.{index}."
         for path, spec in specs.items():
             if path.startswith(prefix):
-                setattr(self, path[len(prefix):], nnx.Param(_init_value(spec, rngs.params(), dtype)))
+                setattr(self, path[len(prefix):], nnx.Param(init_value(spec, rngs.params(), dtype)))
         self.cfg = cfg
         self.index = index
+
+    def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """The family's RMSNorm (Gemma overrides it with its (1 + w) form)."""
+        return L.rms_norm(x, w, self.cfg.rms_norm_eps)
+
+    def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array, attn: AttentionFn,
+                  cache: Any, mm: MatmulFn, tp_axis: str | None) -> tuple[jax.Array, Any]:
+        """h [T, D] (normed) -> (o [T, D], cache): projections, q/k norm, rotary, attention,
+        output projection. Under tensor parallelism (``tp_axis``: the mesh axis, inside
+        shard_map) the weights are this device's slices: head counts come from the weights'
+        shapes, and the row-parallel wo partial sums are all-reduced."""
+        cfg = self.cfg
+        T, hd = h.shape[0], cfg.head_dim
+        if hasattr(self, "wqkv"):     # fused at load time (quantization.fuse_projections)
+            Hq = cfg.num_heads * hd
+            qkv = mm(h, self.wqkv[...])                                      # [T, Hq + 2*Hkv*hd]
+            q, k, v = jnp.split(qkv, [Hq, Hq + cfg.num_kv_heads * hd], axis=-1)
+        else:
+            q = mm(h, self.wq[...])                                          # [T, Hq*hd]
+            k = mm(h, self.wk[...])                                          # [T, Hkv*hd]
+            v = mm(h, self.wv[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = q.reshape(T, -1, hd)                                             # [T, Hq_local, hd]
+        k = k.reshape(T, -1, hd)                                             # [T, Hkv_local, hd]
+        v = v.reshape(T, -1, hd)
+        if cfg.qk_norm:
+            q, k = self.norm(q, self.q_norm[...]), self.norm(k, self.k_norm[...])
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
+        o = L.all_reduce(mm(o.reshape(T, -1), self.wo[...]), tp_axis)        # [T, D]
+        if cfg.o_bias:
+            o = o + self.bo[...]
+        return o, cache
+
+    def mlp(self, h: jax.Array, mm: MatmulFn, tp_axis: str | None) -> jax.Array:
+        """h [T, D] (normed) -> [T, D]: the gated MLP (w_down's partial sums all-reduced)."""
+        cfg = self.cfg
+        if hasattr(self, "w_gate_up"):   # fused at load time
+            g, u = jnp.split(mm(h, self.w_gate_up[...]), 2, axis=-1)           # [T, F] each
+        else:
+            g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])               # [T, F]
+        if cfg.mlp_bias:
+            g, u = g + self.b_gate[...], u + self.b_up[...]
+        y = L.all_reduce(mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...]), tp_axis)  # [T, D]
+        if cfg.mlp_bias:
+            y = y + self.b_down[...]
+        return y
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul,
                  tp_axis: str | None = None) -> tuple[jax.Array, Any]:
-        """x [T, D]. Under tensor parallelism (``tp_axis``: the mesh axis, inside shard_map)
-        the weights are this device's slices: head counts come from the weights' shapes,
-        and the row-parallel wo / w_down partial sums are all-reduced (two per layer)."""
-        cfg = self.cfg
-        T, hd = x.shape[0], cfg.head_dim
+        """x [T, D] -> (x [T, D], cache): pre-norm residual attention, then MLP."""
         with jax.named_scope("attention"):
-            h = L.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)          # [T, D]
-            if hasattr(self, "wqkv"):     # fused at load time (quantization.fuse_projections)
-                Hq = cfg.num_heads * hd
-                qkv = mm(h, self.wqkv[...])                                      # [T, Hq + 2*Hkv*hd]
-                q, k, v = jnp.split(qkv, [Hq, Hq + cfg.num_kv_heads * hd], axis=-1)
-            else:
-                q = mm(h, self.wq[...])                                          # [T, Hq*hd]
-                k = mm(h, self.wk[...])                                          # [T, Hkv*hd]
-                v = mm(h, self.wv[...])
-            if cfg.qkv_bias:
-                q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-            q = q.reshape(T, -1, hd)                                             # [T, Hq_local, hd]
-            k = k.reshape(T, -1, hd)                                             # [T, Hkv_local, hd]
-            v = v.reshape(T, -1, hd)
-            if cfg.qk_norm:
-                q = L.rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-                k = L.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-            o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
-            o = L.all_reduce(mm(o.reshape(T, -1), self.wo[...]), tp_axis)        # [T, D]
-            if cfg.o_bias:
-                o = o + self.bo[...]
+            o, cache = self.attention(self.norm(x, self.attn_norm[...]), cos, sin, attn,
+                                      cache, mm, tp_axis)
             x = x + o
         with jax.named_scope("mlp"):
-            h = L.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-            if hasattr(self, "w_gate_up"):   # fused at load time
-                g, u = jnp.split(mm(h, self.w_gate_up[...]), 2, axis=-1)           # [T, F] each
-            else:
-                g, u = mm(h, self.w_gate[...]), mm(h, self.w_up[...])               # [T, F]
-            if cfg.mlp_bias:
-                g, u = g + self.b_gate[...], u + self.b_up[...]
-            y = L.all_reduce(mm(L.activation(cfg.hidden_act, g) * u, self.w_down[...]), tp_axis)  # [T, D]
-            if cfg.mlp_bias:
-                y = y + self.b_down[...]
-            x = x + y
+            x = x + self.mlp(self.norm(x, self.mlp_norm[...]), mm, tp_axis)
         return x, cache
 
 
 class LlamaForCausalLM(nnx.Module):
+    """The model; other families subclass it and override the hooks (``layer_class``,
+    ``embed_tokens``, ``rope``, ``final_logits``) and the two static methods."""
+
+    layer_class = DecoderLayer
+    weight_specs = staticmethod(weight_specs)
+
+    @staticmethod
+    def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or ["?"]
+        return ModelConfig(**hf_common_fields(d, archs[0]))
+
     def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
-        specs = weight_specs(cfg)
+        specs = self.weight_specs(cfg)
         for name in ("embed", "final_norm", "lm_head"):
-            setattr(self, name, nnx.Param(_init_value(specs[name], rngs.params(), dtype)))
-        self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype, rngs) for i in range(cfg.num_layers)])
+            setattr(self, name, nnx.Param(init_value(specs[name], rngs.params(), dtype)))
+        self.layers = nnx.List([self.layer_class(cfg, i, specs, dtype, rngs)
+                                for i in range(cfg.num_layers)])
         self.cfg = cfg
         self.dtype = dtype
+
+    def embed_tokens(self, tokens: jax.Array, tp_axis: str | None) -> jax.Array:
+        """tokens i32[T] -> [T, D]."""
+        return L.embed_lookup(self.embed[...], tokens, tp_axis)
+
+    def rope(self, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """positions i32[T] -> each layer's (cos, sin) [T, head_dim] (one pair shared here)."""
+        # inv_freq is a numpy constant computed at trace time (not a parameter)
+        cs = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
+        return [cs] * self.cfg.num_layers
+
+    def final_logits(self, x: jax.Array, mm: MatmulFn) -> jax.Array:
+        """x [S, D] (last hidden states) -> f32[S, V_local]."""
+        x = L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+        return mm(x, self.lm_head[...]).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
                  attn: AttentionFn, logits_index: jax.Array | None = None,
@@ -179,59 +187,14 @@ class LlamaForCausalLM(nnx.Module):
         matmul plugs in here too). ``tp_axis``: see DecoderLayer; embedding and LM head are
         then vocabulary-parallel (one all-reduce in, one all-gather of the logits out).
         Returns (logits f32[S or T, V], updated per-layer caches)."""
-        x = L.embed_lookup(self.embed[...], tokens, tp_axis)                 # [T, D]
-        # inv_freq is a numpy constant computed at trace time (not a parameter)
-        cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
+        x = self.embed_tokens(tokens, tp_axis)                                # [T, D]
         new_cache = []
-        for layer, c in zip(self.layers, kv_cache):
+        for layer, (cos, sin), c in zip(self.layers, self.rope(positions), kv_cache):
             x, c = layer(x, cos, sin, attn, c, mm, tp_axis)
             new_cache.append(c)
         if logits_index is not None:
             x = x[logits_index]                                               # [S, D]
-        x = L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
-        logits = mm(x, self.lm_head[...]).astype(jnp.float32)                 # [S, V_local]
+        logits = self.final_logits(x, mm)                                     # [S, V_local]
         if tp_axis is not None:
             logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)  # [S, V]
         return logits, new_cache
-
-
-def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
-                     place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
-                     ) -> LlamaForCausalLM:
-    """Build the module with every weight taken from ``flat`` (our paths -> arrays).
-
-    The module is created abstractly (no random init is materialized), then filled.
-    ``place(logical_axes, host_array)`` puts each weight where it lives (sharding.placer:
-    each device gets only its slice); by default the default device.
-    """
-    specs = weight_specs(cfg)
-    missing = [p for p in specs if p not in flat]
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. "
-                         f"{specs[missing[0]].hf_name!r} (for {missing[0]})")
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
-    for path, spec in specs.items():
-        arr = flat[path]
-        if tuple(arr.shape) != spec.shape:
-            raise ValueError(f"weight {spec.hf_name!r} has shape {tuple(arr.shape)}, "
-                             f"expected {spec.shape} (ours {path})")
-        if place is None:
-            value = jnp.asarray(arr, dtype=dtype)
-        elif isinstance(arr, jax.Array):      # already on the mesh (orbax restored it sharded)
-            value = place(spec.axes, arr.astype(dtype))
-        else:
-            value = place(spec.axes, np.asarray(arr).astype(np.dtype(dtype), copy=False))
-        _get_param(model, path).set_value(value)
-    return model
-
-
-def _get_param(model: nnx.Module, path: str) -> nnx.Param:
-    obj: Any = model
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def flat_params(model: LlamaForCausalLM) -> dict[str, jax.Array]:
-    """Our paths -> arrays (for saving and inspection)."""
-    return {path: _get_param(model, path)[...] for path in weight_specs(model.cfg)}

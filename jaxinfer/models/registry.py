@@ -1,10 +1,13 @@
-"""HF `architectures` name -> model class. A new family registers itself here."""
+"""HF `architectures` name -> model class. A new family registers itself here.
+
+A family's class carries ``weight_specs(cfg)`` and ``config_from_hf(d)`` (models/base.py).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
-from jaxinfer.config import LLAMA_FAMILY
+from jaxinfer.config import LLAMA_FAMILY, ModelConfig
 from jaxinfer.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
@@ -22,5 +25,10 @@ def model_class(architecture: str) -> Any:
     try:
         return _REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+        raise ValueError(f"architectures: unsupported architecture {architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}") from None
+
+
+def config_parser(architecture: str) -> Callable[[Mapping[str, Any]], ModelConfig]:
+    """config.json dict -> ModelConfig for ``architecture``'s family."""
+    return model_class(architecture).config_from_hf

@@ -175,9 +175,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
+    """The serve API key: --api-key, else --api-key-file, else $JAXINFER_API_KEY (as vLLM reads
+    $VLLM_API_KEY), else None. A file or the environment keeps the key out of `ps`."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("--api-key and --api-key-file: give one of them")
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the first line is empty")
+        if os.stat(args.api_key_file).st_mode & 0o077:
+            logging.getLogger("jaxinfer").warning("--api-key-file %s is readable by other users "
+                                                  "(chmod 600 it)", args.api_key_file)
+        return key
+    return args.api_key or environ.get("JAXINFER_API_KEY") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from serving.server import serve_main
 
+    args.api_key = resolve_api_key(args, os.environ)
     init_distributed(args)
     import jax
 

@@ -6,6 +6,11 @@ FMA) and cached under ``$JAXINFER_KERNEL_CACHE`` (default ``~/.cache/jaxinfer/ke
 by a hash of the source (and the headers beside it), the jax version, the compiler, the flags and the CPU's flags.
 Without a compiler (or on another CPU) loading fails with the reason, and the caller keeps
 XLA's path.
+
+A cached library is code this process will run, so the cache is the user's own: its
+directory is created 0700 and must be owned by the user and writable by nobody else, and a
+library is loaded only if the user owns it and nobody else can write it. A library that
+fails the check is rebuilt over; a directory that fails it makes the kernel unavailable.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -44,6 +50,41 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "jaxinfer" / "kernels"
 
 
+def _untrusted(path: Path, st: os.stat_result) -> str | None:
+    """Why ``path`` (stat ``st``) may hold someone else's code, or None if only we can write it."""
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_dir(path: Path) -> Path:
+    """Create ``path`` 0700 if missing; raise RuntimeError unless only this user can write it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"kernel cache {path} is not a directory")
+    why = _untrusted(path, st)
+    if why:
+        raise RuntimeError(f"refusing the kernel cache: {why}")
+    return path
+
+
+def _trusted_library(path: Path) -> bool:
+    """True if ``path`` is a regular file only this user can write; False if missing; a file
+    someone else could have written is logged and reported untrusted (False: rebuild it)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _untrusted(path, st)
+    if why:
+        log.warning("not loading the cached kernel %s (%s): rebuilding it", path, why)
+        return False
+    return True
+
+
 def build(source: Path) -> Path:
     """Compile ``source`` (or find it in the cache) -> path of the shared library.
     Raises RuntimeError naming what failed."""
@@ -55,10 +96,9 @@ def build(source: Path) -> Path:
     key = hashlib.sha256(b"\0".join([src, jax.__version__.encode(), cxx.encode(),
                                      " ".join(FLAGS).encode(), platform.machine().encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
-    out = cache_dir() / f"{source.stem}-{key}.so"
-    if out.exists():
+    out = _private_dir(cache_dir()) / f"{source.stem}-{key}.so"
+    if _trusted_library(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a private name, then rename: concurrent processes (test workers) each
     # build and the last rename wins; a reader never sees a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -69,6 +109,7 @@ def build(source: Path) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed ({' '.join(cmd)}):\n"
                                f"{proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o700)           # the linker's mode follows the umask (0775 under 002)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -15,9 +15,11 @@ answers, streaming or not. While the engine works, the client's connection is wa
 client that goes away has its request aborted, which frees its KV pages.
 
 Status codes: 400 bad input (422 on TGI routes, as TGI does; every error on a TGI route
-comes in TGI's ``{"error", "error_type"}`` shape), 401 missing/wrong API key,
-404/405 unknown route or method, 413 body too large, 503 queue full / engine not ready or
-dead (with Retry-After). A 500 means a bug in this server: it is logged and counted in
+comes in TGI's ``{"error", "error_type"}`` shape) or a ``Host`` outside the allow-list, 401
+missing/wrong API key, 404/405 unknown route or method, 408 body not received within the
+read timeout, 413 body too large, 415 POST body not ``application/json``, 503 queue full /
+engine not ready or dead (with Retry-After). serving/guard.py says why the Host, content
+type and read-timeout checks exist. A 500 means a bug in this server: it is logged and counted in
 ``state.internal_errors``, which the tests assert stays at zero for hostile input.
 """
 
@@ -31,16 +33,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from jaxinfer.config import RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
+from serving import guard
 from serving import protocol as P
 from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
 
@@ -87,6 +92,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_n: int = DEFAULT_MAX_N
+    read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S
     retry_after_s: int = 1
     shutdown_engine: bool = True
     engine_shutdown_timeout: float = 10.0
@@ -119,7 +125,8 @@ class ServerState:
         e = self.engine
         retry = {"Retry-After": str(self.retry_after_s)}
         if e is None:
-            msg = (f"the engine failed to load: {self.load_error}" if self.load_error
+            # The load error's text (paths, library messages) stays in the server log.
+            msg = ("the engine failed to load; see the server log" if self.load_error
                    else "the model is still loading; retry shortly")
             raise P.ProtocolError(msg, status=503, code="not_ready", headers=retry)
         if e.is_dead:
@@ -287,7 +294,18 @@ async def race_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S) -> bytes:
+    """The body, at most ``limit`` bytes (413), received in full within ``timeout_s`` (408)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise P.ProtocolError(f"the request body was not received in full within {timeout_s:g} s",
+                              status=408, code="request_timeout",
+                              headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     too_big = P.ProtocolError(f"request body is larger than the limit of {limit} bytes",
                               status=413, code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -362,6 +380,8 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
         first = await race_disconnect(request, _first_output(gen, req))
     except BaseException as e:
         await close_gen(gen)
+        if isinstance(e, ClientGone):       # gone before the first output: still an abort
+            tracker.finish(None, aborted=True)
         if isinstance(e, QueueFullError):
             st.metrics.rejected.labels(st.metric_model_name(), "queue_full").inc()
         raise
@@ -496,8 +516,10 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
 async def _gen_route(request: Request, st: ServerState, parse: Callable[..., P.GenRequest]) -> Response:
     received = time.monotonic()
     engine = st.ready_engine()
-    body = P.parse_json_body(await read_body(request, st.max_body_bytes))
-    req = parse(body, st.limits(engine), engine.tokenizer)
+    guard.require_json(request.headers.get("content-type"))
+    body = P.parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
+    # Tokenizing and chat templating take milliseconds per long prompt: off the event loop.
+    req = await asyncio.to_thread(parse, body, st.limits(engine), engine.tokenizer)
     return await run_generation(request, st, engine, req, received)
 
 
@@ -553,10 +575,7 @@ async def health(request: Request, st: ServerState) -> Response:
         status = "warming_up"
     else:
         return json_response({"status": "ok"})
-    body: dict[str, Any] = {"status": status}
-    if st.load_error:
-        body["error"] = st.load_error
-    return json_response(body, 503)
+    return json_response({"status": status}, 503)   # why it failed: the server log
 
 
 async def metrics(request: Request, st: ServerState) -> Response:
@@ -593,7 +612,9 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
               retry_after_s: int = 1, shutdown_engine: bool = True,
               engine_shutdown_timeout: float = 10.0, on_ready: Callable[[], None] | None = None,
               on_load_error: Callable[[BaseException], None] | None = None,
-              tracing: Any = None) -> Starlette:
+              tracing: Any = None, allowed_hosts: Iterable[str] | None = None,
+              allowed_origins: Iterable[str] | None = None,
+              read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S) -> Starlette:
     """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
 
     A factory is called once the server is listening, so /health can answer 503 while the
@@ -602,6 +623,10 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
     ``on_ready`` is called once the engine is there (at startup, or when the factory
     returns); ``on_load_error`` if the factory raises. ``tracing``: a
     ``serving.tracing.RequestTracing`` (shut down with the app), or None for no traces.
+    ``allowed_hosts``: the ``Host`` names served ("*": any; None: no check; the server passes
+    the loopback names for a loopback bind). ``allowed_origins``: web origins allowed by
+    CORS (None: no CORS headers, so browsers keep other origins out). ``read_timeout_s``:
+    a request body must arrive in full within it (else 408).
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("build_app: pass exactly one of engine, engine_factory")
@@ -610,7 +635,7 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                      api_key=api_key or None, max_body_bytes=max_body_bytes, max_n=max_n,
                      retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
-                     on_load_error=on_load_error, tracing=tracing)
+                     on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -644,7 +669,25 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=_middleware(allowed_hosts, allowed_origins),
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.jx = st
     return app
+
+
+def _reject_host(scope: dict, message: str) -> Response:
+    if scope.get("path") in TGI_PATHS:     # a bad Host is no bad input: 400, not TGI's 422
+        return json_response(P.tgi_error_body(message, "validation"), 400)
+    return error_response(P.ProtocolError(message, status=400, code="invalid_host"))
+
+
+def _middleware(allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[str] | None) -> list[Middleware]:
+    """Host check first (a rebound name gets nothing, not even a CORS preflight), then CORS."""
+    stack = []
+    if allowed_hosts is not None:
+        stack.append(Middleware(guard.HostGuard, allowed=tuple(allowed_hosts), reject=_reject_host))
+    if allowed_origins:
+        stack.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                                allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+                                max_age=600))
+    return stack

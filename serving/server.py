@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, build_app
+from serving.guard import DEFAULT_READ_TIMEOUT_S, default_allowed_hosts, guarded_h11_protocol, is_loopback
 
 log = logging.getLogger("jaxinfer.serving")
 
@@ -45,7 +46,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on the /v1 and TGI routes")
+                   help="require 'Authorization: Bearer <key>' on the /v1 and TGI routes "
+                        "(visible in `ps`: prefer --api-key-file or $JAXINFER_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line)")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="Host header names served, else 400 ('*': any; default: the loopback names "
+                        "when bound to loopback, any otherwise)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="web origins allowed to call the API from a browser (CORS), e.g. "
+                        "https://app.example.com ('*': any; default: none)")
+    g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                   help="a request's headers and body must arrive within this, else 408 "
+                        f"(default {DEFAULT_READ_TIMEOUT_S:g})")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use in 'model' (default: the engine's model name)")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -77,7 +90,9 @@ def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
     return run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                       served_model_names=args.served_model_name, max_body_bytes=args.max_request_bytes,
                       max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      access_log=not args.no_access_log, tracing=tracing)
+                      access_log=not args.no_access_log, tracing=tracing,
+                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                      read_timeout_s=args.read_timeout)
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
@@ -101,8 +116,12 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
 def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_n: int = DEFAULT_MAX_N, shutdown_timeout: float = 30.0, log_level: str = "info",
-               access_log: bool = True, sock: socket.socket | None = None, tracing: Any = None) -> int:
+               access_log: bool = True, sock: socket.socket | None = None, tracing: Any = None,
+               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
     """Serve until SIGTERM / SIGINT; return 0 after a graceful shutdown.
+
+    ``allowed_hosts`` None: the loopback names when bound to loopback, else any Host.
 
     ``engine`` is either ready (has ``generate``) or a zero-argument factory called after
     the server starts listening (then /health answers 503 until it returns a warm engine).
@@ -127,11 +146,14 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
     app = build_app(engine if is_engine else None, engine_factory=None if is_engine else engine,
                     served_model_names=served_model_names, api_key=api_key,
                     max_body_bytes=max_body_bytes, max_n=max_n, on_ready=on_ready,
-                    on_load_error=on_load_error, tracing=tracing)
+                    on_load_error=on_load_error, tracing=tracing,
+                    allowed_hosts=allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host),
+                    allowed_origins=allowed_origins, read_timeout_s=read_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout)
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout,
+                            http=guarded_h11_protocol(read_timeout_s))
     server = uvicorn.Server(config)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if not is_loopback(host) and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
     with _absorb_reraised_signals():
         server.run(sockets=[sock] if sock is not None else None)

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from jaxinfer.config import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
@@ -414,14 +414,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, startup_timeout: float = 10.0) -> Iterator[str]:
-    """Run ``app`` under a real uvicorn on a free loopback port in a thread; yield its base URL."""
+def serve_in_thread(app, startup_timeout: float = 10.0, **uvicorn_config: Any) -> Iterator[str]:
+    """Run ``app`` under a real uvicorn on a free loopback port in a thread; yield its base URL.
+    ``uvicorn_config``: more ``uvicorn.Config`` options (e.g. ``http=`` a protocol class)."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
+                            **uvicorn_config)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

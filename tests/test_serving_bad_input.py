@@ -294,11 +294,12 @@ def test_body_too_large():
                 yield b"y" * 4096
             yield b'"}'
 
-        r = c.post(CMPL, content=chunks())
+        r = c.post(CMPL, content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         r = c.post("/generate", json={"inputs": "x" * (100 * 1024)})
         assert r.status_code == 413
-        r = c.post(CMPL, content=b"x" * (4 << 20))     # far over: refused without reading it all
+        r = c.post(CMPL, content=b"x" * (4 << 20),     # far over: refused without reading it all
+                   headers={"content-type": "application/json"})
         assert r.status_code == 413
         # just under the limit is fine (and then too long for the context: a 400, not a 413)
         r = c.post(CMPL, json={"model": MODEL, "prompt": "x" * (60 * 1024)})

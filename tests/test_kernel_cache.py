@@ -1,0 +1,85 @@
+"""The C++ kernel cache loads only libraries this user wrote (pallas_kernels/cpu_build.py):
+its directory is made 0700; a cached library another user could have written (wrong
+owner, group/other-writable, not a regular file) is rebuilt, never loaded; a cache
+directory owned by someone else or writable by others makes the kernel unavailable."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+
+import pytest
+
+from pallas_kernels import cpu_build
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                reason="no C++ compiler")
+
+SOURCE = 'extern "C" int jaxinfer_probe() { return 42; }\n'
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = src_dir / "probe.cc"
+    src.write_text(SOURCE)
+    cache = tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("JAXINFER_KERNEL_CACHE", str(cache))
+    return src, cache
+
+
+def _calls(path) -> int:
+    return ctypes.CDLL(str(path)).jaxinfer_probe()
+
+
+def test_cache_dir_is_private_and_library_ours(probe):
+    src, cache = probe
+    out = cpu_build.build(src)
+    assert out.parent == cache and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    st = out.stat()
+    assert st.st_uid == os.getuid() and not st.st_mode & 0o022
+    assert _calls(out) == 42
+    assert cpu_build.build(src) == out and out.stat().st_mtime_ns == st.st_mtime_ns   # reused
+
+
+def test_writable_by_others_is_rebuilt_not_loaded(probe, caplog):
+    src, cache = probe
+    out = cpu_build.build(src)
+    out.write_bytes(b"\x7fELF not what we built")      # someone swapped it in
+    out.chmod(0o666)
+    assert cpu_build.build(src) == out
+    assert "writable by other users" in caplog.text
+    assert not out.stat().st_mode & 0o022 and _calls(out) == 42
+
+
+def test_owned_by_someone_else_is_refused(probe, monkeypatch, caplog):
+    src, cache = probe
+    out = cpu_build.build(src)
+    if os.getuid() == 0:            # root can make the file really someone else's: rebuilt
+        out.write_bytes(b"planted")
+        os.chown(out, 65534, -1)
+        assert cpu_build.build(src) == out
+        assert out.stat().st_uid == 0 and _calls(out) == 42
+    # As seen by another uid, both the library and its directory are someone else's.
+    real = os.getuid()
+    monkeypatch.setattr(cpu_build.os, "getuid", lambda: real + 1)
+    assert not cpu_build._trusted_library(out)
+    assert f"owned by uid {real}" in caplog.text
+    with pytest.raises(RuntimeError, match="refusing the kernel cache.*owned by uid"):
+        cpu_build.build(src)
+
+
+def test_untrusted_directory_makes_kernel_unavailable(probe):
+    src, cache = probe
+    cache.mkdir(parents=True)
+    cache.chmod(0o777)
+    kernel = cpu_build.Kernel(str(src), {}, "probe")
+    kernel.source = src
+    assert not kernel.available()
+    assert "writable by other users" in kernel.unavailable_reason()
+    cache.chmod(0o700)
+    kernel.reset()
+    assert kernel.available()

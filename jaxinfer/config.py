@@ -241,6 +241,14 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding (jaxinfer/engine/guided.py): a GuidedDecoding or a dict with one
+    # key (json / json_object / regex / choice / grammar); token id -> bias added to the
+    # logit (a dict or (id, bias) pairs); EOS / stop ids banned for the first min_tokens;
+    # strings whose token sequences may not be generated.
+    guided: Any = None
+    logit_bias: Any = ()
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
 
     MAX_LOGPROBS = 20
 
@@ -280,6 +288,36 @@ class SamplingParams:
         _require(self.logprobs is None or (isinstance(self.logprobs, int)
                  and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
                  f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        from jaxinfer.engine import guided as G
+
+        if self.guided is not None:
+            object.__setattr__(self, "guided", G.GuidedDecoding.parse(self.guided))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(k), float(v)) for k, v in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: expected a map of token id -> number, got {self.logit_bias!r:.80}") from None
+        _require(len(bias) <= G.MAX_LOGIT_BIAS, "logit_bias",
+                 f"at most {G.MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        _require(all(i >= 0 and math.isfinite(v) and -100 <= v <= 100 for i, v in bias), "logit_bias",
+                 "token ids must be >= 0 and biases numbers in [-100, 100]")
+        _require(len({i for i, _ in bias}) == len(bias), "logit_bias", "a token id appears twice")
+        object.__setattr__(self, "logit_bias", bias)
+        _require(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+                 and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        _require(len(words) <= G.MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in words),
+                 "bad_words", f"must be at most {G.MAX_BAD_WORDS} non-empty strings, got {self.bad_words!r:.80}")
+        object.__setattr__(self, "bad_words", words)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the sampler's token mask has work for this request."""
+        return self.guided is not None or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
     @property
     def greedy(self) -> bool:

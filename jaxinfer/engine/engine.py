@@ -44,6 +44,7 @@ class _Request:
     logprobs: list[list[Logprob]] | None
     metrics: RequestMetrics
     replica: int = 0                    # data-parallel replica running it
+    constraints: list[Any] | None = None   # guided.SequenceConstraints per sample, if constrained
     finished: bool = False
     stop_reasons: list[Any] = field(default_factory=list)
 
@@ -131,6 +132,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self._grammars: Any = None           # guided.GrammarCompiler, built on first use
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.compile_seconds = self._warmup(progress)
@@ -236,6 +238,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        constraints = self._constraints(params) if params.constrained else None
         seqs = make_sequences(request_id, ids, params, priority=priority)
         # Data parallelism: the least loaded replica takes it (sequences running or waiting).
         replica = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
@@ -246,8 +249,27 @@ class Engine:
                                          params.include_stop_str_in_output) for _ in seqs]
         lps = None if params.logprobs is None else [[] for _ in seqs]
         self._requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
-                                              RequestMetrics(arrival_time=time.monotonic()), replica)
+                                              RequestMetrics(arrival_time=time.monotonic()), replica,
+                                              constraints=constraints)
         return request_id
+
+    def _constraints(self, p: SamplingParams) -> list[Any]:
+        """One guided.SequenceConstraints per sample; raises ValueError (GuidedDecodingError
+        for a grammar the library refuses, with its message). A grammar compiles once per
+        text (cached); llguidance builds it lazily, so this costs about a millisecond here."""
+        from jaxinfer.engine import guided as G
+
+        V = self.model_config.vocab_size
+        bad = [i for i, _ in p.logit_bias if i >= V]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is out of range (vocabulary of {V})")
+        if p.guided is not None and self._grammars is None:
+            self._grammars = G.GrammarCompiler(self.tokenizer, V, self.eos_token_ids)
+        words = G.bad_word_sequences(self.tokenizer, p.bad_words)
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        first = self._grammars.matcher(p.guided) if p.guided is not None else None
+        return [G.SequenceConstraints(first if i == 0 or first is None else first.deep_copy(),
+                                      p.min_tokens, stop_ids, words, p.logit_bias) for i in range(p.n)]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or already finished."""
@@ -268,7 +290,8 @@ class Engine:
         steps run concurrently). Returns outputs of requests that changed (cumulative
         snapshots), finished ones included once, last."""
         t0 = time.perf_counter()
-        if self.config.num_scheduler_steps > 1:
+        # A constrained sequence needs the host between tokens: no multi-step runs then.
+        if self.config.num_scheduler_steps > 1 and not any(r.constraints for r in self._requests.values()):
             run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
             if run is not None:
                 return self._multi_step(self.replicas[0], *run, t0)
@@ -288,7 +311,7 @@ class Engine:
                     req.metrics.first_scheduled_time = now
             batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows)
             t = self._sampling_tensors(batch)
-            pending.append((rep, sched, batch, rep.runner.dispatch(batch, t)))
+            pending.append((rep, sched, batch, rep.runner.dispatch(batch, t, self._token_mask(batch))))
         if not pending:
             return []
         t1 = time.perf_counter()
@@ -345,6 +368,24 @@ class Engine:
             steps[slot] = e.seq.num_output_tokens
         return S.sampling_tensors_from_params(params, seeds, steps, n)
 
+    def _token_mask(self, batch) -> Callable[[], Any] | None:
+        """The step's TokenMask builder for the runner (called while the device runs the
+        forward), or None when no sampled row is constrained: those steps pay nothing."""
+        rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids)
+                for slot, e in batch.entries if e.samples
+                for req in (self._requests[e.seq.request_id],) if req.constraints]
+        if not rows:
+            return None
+
+        def build():
+            from jaxinfer.engine import guided as G
+            from jaxinfer.engine import sampler as S
+
+            m = G.build_mask(batch.bucket.sample_rows, self.model_config.vocab_size, rows)
+            return S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active)
+
+        return build
+
     def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, entries: list[tuple[int, ScheduledSeq]],
                      packed: np.ndarray) -> list[RequestOutput]:
         from jaxinfer.engine import sampler as S
@@ -371,7 +412,16 @@ class Engine:
                 k = seq.params.logprobs or 0
                 req.logprobs[seq.sample_index].append(Logprob(tok, float(res.logprobs[slot]), tuple(
                     (int(i), float(x)) for i, x in zip(res.top_ids[slot, :k], res.top_logprobs[slot, :k]))))
+            c = req.constraints[seq.sample_index] if req.constraints else None
+            if c is not None:
+                c.advance(tok)
             self._check_stop(req, seq, tok)
+            if c is not None and c.stopped and not seq.is_finished:
+                # the grammar is complete (or refused the token: logged) and only EOS could follow
+                if c.error:
+                    log.warning("request %s: grammar stopped: %s", req.request_id, c.error)
+                req.detoks[seq.sample_index].finish()
+                self._finish(seq, "stop", None)
         outs = []
         for req in touched.values():
             if all(s.is_finished for s in req.seqs):

@@ -159,11 +159,13 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     return out, kv, pen
 
 
-def sample_fn(logits, pen, rows, t: S.SamplingTensors):
+def sample_fn(logits, pen, rows, t: S.SamplingTensors, mask: S.TokenMask):
     """One executable per sampler width S' (Bucket.sample_rows), not per bucket: the
     sampler is slow to compile. logits [S', V], rows i32[S'] (each slot's penalty-state
-    row) -> packed i32[S', 2 + 2K]."""
-    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1], penalty_rows=rows)
+    row), mask: the step's TokenMask (always passed, all-allowed when no row is
+    constrained, so one executable serves both) -> packed i32[S', 2 + 2K]."""
+    out = S.sample(logits, t, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1], penalty_rows=rows,
+                   token_mask=mask)
     return S.pack(out)
 
 
@@ -227,6 +229,7 @@ class ModelRunner:
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
+        self._empty_masks: dict[int, S.TokenMask] = {}
         self.compile_seconds = 0.0
         self.last_logits: jax.Array | None = None
 
@@ -264,7 +267,8 @@ class ModelRunner:
                 pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
                 logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
                 rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
-                self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t).compile()
+                mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
+                self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile()
             if self.num_scheduler_steps > 1 and b.num_prefill == 0 and b not in self.multi_executables:
                 state, kv, pen, arrays, t = self._abstract_args(b)
                 scalar = jax.ShapeDtypeStruct((), np.int32)
@@ -281,16 +285,30 @@ class ModelRunner:
         """Run one step; returns the packed sampler output (host numpy, i32[S, 2 + 2K])."""
         return self.fetch(self.dispatch(batch, t))
 
-    def dispatch(self, batch: StepBatch, t: S.SamplingTensors) -> jax.Array:
+    def empty_mask(self, rows: int) -> S.TokenMask:
+        """The all-allowed TokenMask of ``rows`` rows, made once per width and kept on the
+        device, so unconstrained steps pass it without a host->device copy."""
+        if rows not in self._empty_masks:
+            from jaxinfer.engine.guided import empty_mask
+
+            m = empty_mask(rows, self.cfg.vocab_size)
+            dev = self.sample_device or jax.local_devices()[0]
+            self._empty_masks[rows] = jax.device_put(S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active), dev)
+        return self._empty_masks[rows]
+
+    def dispatch(self, batch: StepBatch, t: S.SamplingTensors,
+                 mask: Callable[[], S.TokenMask | None] | None = None) -> jax.Array:
         """Enqueue one step on the device and return at once (JAX dispatch is asynchronous),
-        so several data-parallel replicas' steps run concurrently; ``fetch`` waits."""
+        so several data-parallel replicas' steps run concurrently; ``fetch`` waits.
+        ``mask()`` builds the step's TokenMask (None: no row constrained); it is called after
+        the forward is enqueued, so the host computes grammar masks while the device runs."""
         if batch.bucket not in self.executables:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
         b = batch.bucket
         host = {"arrays": as_device_args(batch), "t": t, "sample_rows": _sample_rows(batch)}
         if self.publisher is not None:
-            self.publisher.publish(b, host)
-        return self.run_host_step(b, host)
+            self.publisher.publish(b, host)       # followers do not sample: no mask for them
+        return self.run_host_step(b, host, mask_fn=mask)
 
     def dispatch_multi(self, batch: StepBatch, t: S.SamplingTensors, num_steps: int) -> jax.Array:
         """Enqueue ``num_steps`` (2..num_scheduler_steps) decode steps of a decode-only batch
@@ -306,7 +324,8 @@ class ModelRunner:
             _sample_rows(batch))
         return out
 
-    def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True) -> jax.Array:
+    def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True,
+                      mask_fn: Callable[[], S.TokenMask | None] | None = None) -> jax.Array:
         """The step from its host arrays (followers replay it under jax.distributed, with
         ``sample=False``: they return the logits, only to wait on them)."""
         if self.mesh is None:
@@ -322,10 +341,13 @@ class ModelRunner:
         self.last_logits = logits      # f32[S', V] on device, for tests and debugging (no copy)
         if not sample:
             return logits
+        mask = (mask_fn() if mask_fn else None) or self.empty_mask(b.sample_rows)
+        if self.mesh is not None:
+            mask = jax.device_put(mask, self.sample_device)
         args = (logits, self.pen, dev["sample_rows"], dev["t"])
         if self.mesh is not None:
             args = jax.tree.map(self._on_sample_device, args)
-        return self.samplers[b.sample_rows](*args)
+        return self.samplers[b.sample_rows](*args, mask)
 
     def _on_sample_device(self, x: jax.Array) -> jax.Array:
         """This device's copy of a replicated array (no transfer)."""

@@ -120,6 +120,32 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
     return SamplingTensors(temp, top_k, top_p, min_p, rep, pres, freq, seed, step, nlp)
 
 
+# ----------------------------------------------------------------------------- token mask
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMask:
+    """Per-row constraints built on the host (jaxinfer/engine/guided.py): grammar, bad
+    words and min_tokens as allowed-token bits, and a sparse logit bias. Rows with
+    ``active`` False are untouched; a block of rows with none skips the work."""
+
+    bits: jax.Array         # i32[B, ceil(V / 32)]: bit j % 32 of word j // 32 = token j allowed
+    bias_ids: jax.Array     # i32[B, NB]: token ids whose logits get bias_vals added
+    bias_vals: jax.Array    # f32[B, NB]: 0 = padding
+    active: jax.Array       # bool[B]
+
+
+def apply_token_mask(logits: jax.Array, m: TokenMask) -> jax.Array:
+    """f32[B, V] logits -> logit bias added, disallowed tokens -inf (active rows only)."""
+    b, v = logits.shape
+    with jax.named_scope("token_mask"):
+        biased = logits.at[jnp.arange(b)[:, None], m.bias_ids].add(m.bias_vals)
+        shifts = lax.broadcasted_iota(jnp.int32, (1, 1, 32), 2)
+        allowed = ((m.bits[:, :, None] >> shifts) & 1).reshape(b, -1)[:, :v] == 1
+        masked = jnp.where(allowed, biased, -jnp.inf)
+        return jnp.where(m.active[:, None], masked, logits)
+
+
 # ----------------------------------------------------------------------------- penalties
 
 def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array,
@@ -417,7 +443,7 @@ def _check_penalty_state(prompt_mask, output_counts, penalty_rows, b: int, v: in
 
 def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
            prompt_mask: jax.Array | None = None, output_counts: jax.Array | None = None,
-           penalty_rows: jax.Array | None = None,
+           penalty_rows: jax.Array | None = None, token_mask: TokenMask | None = None,
            topk_cap: int = TOPK_CAP, num_proposals: int = NUM_PROPOSALS,
            row_block: int = ROW_BLOCK) -> SampleOutput:
     """Sample one token per row. Jittable; ``num_logprobs`` (the top-K width) and the
@@ -430,6 +456,9 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     whole per-slot penalty state without gathering it (a gather would be a fresh [B, V]
     temporary). Those rows are read only when a row has a penalty. Logprobs always
     describe the raw logits (``t.num_logprobs`` < 0 rows get zeros).
+
+    ``token_mask`` (TokenMask of B rows) is applied after the penalties, before
+    temperature; logprobs still describe the raw logits.
 
     Rows are processed ``row_block`` at a time by a ``lax.scan``, grouped by the work they
     need: XLA:CPU materializes every [rows, V] intermediate (it fuses no elementwise work
@@ -452,7 +481,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     def body(carry, rows):                                  # rows: i32[blk]
         tb = jax.tree.map(lambda a: a[rows], t)
         pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], pen[1][pen[2][rows]]))
-        return carry, _sample_block(logits[rows], pen_of, tb, **kw)
+        mb = None if token_mask is None else jax.tree.map(lambda a: a[rows], token_mask)
+        return carry, _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)
 
     _, out = lax.scan(body, None, order.reshape(b // blk, blk))
     inverse = jnp.zeros(b, jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
@@ -470,12 +500,15 @@ def _row_class(t: SamplingTensors, v: int, cap: int) -> jax.Array:
 
 
 def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Array]] | None,
-                  t: SamplingTensors, k: int, cap: int, num_proposals: int) -> SampleOutput:
+                  t: SamplingTensors, k: int, cap: int, num_proposals: int,
+                  mask: TokenMask | None = None) -> SampleOutput:
     """One block of rows; ``pen_of()`` gathers the block's penalty state."""
     b, v = raw.shape
     x = raw
     if pen_of is not None:
         x = lax.cond(_any_penalty(t), lambda: apply_penalties(raw, *pen_of(), t), lambda: raw)
+    if mask is not None:
+        x = lax.cond(jnp.any(mask.active), lambda y: apply_token_mask(y, mask), lambda y: y, x)
     greedy = t.temperature <= 0
     zeros = jnp.zeros(b, jnp.int32)
     with jax.named_scope("greedy"):

@@ -1,0 +1,285 @@
+"""Constrained decoding on the host: grammar state per sequence -> packed bitmask rows per step.
+
+A request may carry a grammar (``SamplingParams.guided``: a JSON schema, any JSON object, a
+regex, a list of choices or a Lark / GBNF grammar), a ``logit_bias``, ``min_tokens`` and
+``bad_words``. Each becomes part of one per-row ``TokenMask`` that the sampler applies on the
+device after penalties and before temperature (``sampler.apply_token_mask``):
+
+* bits i32[S', ceil(V / 32)]: bit j of row i = token j allowed (llguidance's layout, so its
+  matcher writes the grammar's mask straight into the row); min_tokens and bad words clear
+  bits of the same row;
+* bias_ids i32[S', MAX_LOGIT_BIAS] / bias_vals f32[S', ...]: added to the logits (0 = pad);
+* active bool[S']: rows that have anything; a block of rows with none skips the whole hook
+  on the device, and a step with no active row reuses one constant all-ones mask, so
+  requests without constraints pay nothing but passing that array.
+
+Library: llguidance. Measured on the default vocabulary (49,152 tokens, 2-core CPU, see
+benchmarks/RESULTS.md): a mask costs tens of microseconds per token, like xgrammar, but
+llguidance builds a grammar lazily in about a millisecond where xgrammar's compile took up
+to a few hundred milliseconds per schema; and llguidance needs no torch / triton (xgrammar
+depends on both), is a single Rust wheel, reports schema errors as readable messages, and
+reads JSON schema, regex and Lark (plus GBNF via its converter) with one matcher type.
+
+Host only, no jax import (like the scheduler): testable in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024      # a schema / regex / grammar's text
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+MAX_LOGIT_BIAS = 300            # entries per request (the device width of the bias arrays)
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_TOKENS = 16
+GRAMMAR_CACHE_SIZE = 128        # compiled grammars kept, least recently used dropped first
+# Caps on what one grammar may cost the host (llguidance's own defaults are for trusted input).
+PARSER_LIMITS = dict(max_grammar_size=100_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
+                     initial_lexer_fuel=1_000_000, verbose_errors=False)
+# Compact JSON (", " and ": " separators, no free whitespace): small models fed free
+# whitespace tend to emit it forever; every output is still valid JSON.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GuidedDecodingError(ValueError):
+    """A grammar the library refuses (invalid, unsupported feature, over a limit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """What the output must match. ``kind`` is one of KINDS; ``value`` is the schema as
+    canonical JSON text (json), None (json_object), the regex / grammar text, or the tuple
+    of choices. Build with ``GuidedDecoding.parse`` from the API's shapes."""
+
+    kind: str
+    value: Any = None
+
+    @staticmethod
+    def parse(x: Any) -> "GuidedDecoding":
+        """From a GuidedDecoding or a dict with one key: ``json`` (schema object or text),
+        ``json_object`` (true), ``regex``, ``choice`` (list of strings), ``grammar``."""
+        if isinstance(x, GuidedDecoding):
+            return _checked(x.kind, x.value)
+        if not isinstance(x, dict) or len(x) != 1:
+            raise ValueError(f"guided: expected a dict with one of the keys {', '.join(KINDS)}, got {x!r:.80}")
+        (kind, value), = x.items()
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise GuidedDecodingError(f"guided.json: the schema is not valid JSON: {e}") from None
+        if kind == "json":
+            if not isinstance(value, (dict, bool)):
+                raise GuidedDecodingError(f"guided.json: a schema must be an object, got {type(value).__name__}")
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif kind == "json_object":
+            value = None
+        elif kind == "choice" and isinstance(value, (list, tuple)):
+            value = tuple(value)
+        return _checked(kind, value)
+
+    def cache_key(self) -> str:
+        return json.dumps([self.kind, self.value])
+
+
+def _checked(kind: str, value: Any) -> GuidedDecoding:
+    if kind not in KINDS:
+        raise ValueError(f"guided: unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
+    if kind == "choice":
+        if not isinstance(value, tuple) or not value:
+            raise GuidedDecodingError("guided.choice: expected a non-empty list of strings")
+        if len(value) > MAX_CHOICES:
+            raise GuidedDecodingError(f"guided.choice: at most {MAX_CHOICES} choices, got {len(value)}")
+        for c in value:
+            if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
+                raise GuidedDecodingError(f"guided.choice: each choice must be a non-empty string of at "
+                                          f"most {MAX_CHOICE_CHARS} characters, got {c!r:.80}")
+    elif kind != "json_object":
+        if not isinstance(value, str) or not value:
+            raise GuidedDecodingError(f"guided.{kind}: expected a non-empty string")
+        if len(value) > MAX_SPEC_CHARS:
+            raise GuidedDecodingError(f"guided.{kind}: {len(value)} characters is over the limit of "
+                                      f"{MAX_SPEC_CHARS}")
+    return GuidedDecoding(kind, value)
+
+
+def grammar_text(spec: GuidedDecoding) -> str:
+    """The llguidance grammar for a spec (not yet validated against a tokenizer)."""
+    from llguidance import LLMatcher, grammar_from
+
+    try:
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if spec.kind == "json":
+            return LLMatcher.grammar_from_json_schema(spec.value, overrides=JSON_OPTIONS)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            return grammar_from("choice", list(spec.value))
+        return grammar_from("grammar", spec.value)          # Lark, or GBNF (converted)
+    except (ValueError, TypeError) as e:
+        raise GuidedDecodingError(f"guided.{spec.kind}: {e}") from None
+
+
+class GrammarCompiler:
+    """Validated grammars for one tokenizer, cached by their text (LRU of
+    GRAMMAR_CACHE_SIZE). ``matcher(spec)`` returns a fresh matcher per sequence: a deep copy
+    of the cached one, so the lexer the library built lazily is shared."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        import llguidance
+        import llguidance.hf
+
+        # ~0.6 s on the default vocabulary: built once per engine.
+        self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
+                                                  eos_token=list(eos_token_ids) or None)
+        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()     # add_request may run off the engine thread
+        self.compiled = 0
+
+    def matcher(self, spec: GuidedDecoding) -> Any:
+        from llguidance import LLMatcher
+
+        key = spec.cache_key()
+        with self._lock:
+            m = self._cache.get(key)
+            if m is not None:
+                self._cache.move_to_end(key)
+                return m.deep_copy()
+        g = grammar_text(spec)
+        err = LLMatcher.validate_grammar(g, self.lltok, limits=self.limits)
+        if err:
+            raise GuidedDecodingError(f"guided.{spec.kind}: {err}")
+        m = LLMatcher(self.lltok, g, log_level=0, limits=self.limits)
+        if m.is_error():
+            raise GuidedDecodingError(f"guided.{spec.kind}: {m.get_error()}")
+        with self._lock:
+            self.compiled += 1
+            self._cache[key] = m
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return m.deep_copy()
+
+
+# ------------------------------------------------------------------ per-sequence state
+
+class SequenceConstraints:
+    """One sequence's constraints: its grammar matcher (or None), min_tokens over the stop
+    ids, bad-word token sequences and its logit bias."""
+
+    def __init__(self, matcher: Any, min_tokens: int, min_tokens_ids: Sequence[int],
+                 bad_words: Sequence[tuple[int, ...]], bias: Sequence[tuple[int, float]]):
+        self.matcher = matcher
+        self.min_tokens = min_tokens
+        self.min_tokens_ids = np.asarray(sorted(set(min_tokens_ids)), np.int64)
+        self.bad_words = list(bad_words)
+        self.bias_ids = np.asarray([i for i, _ in bias], np.int32)
+        self.bias_vals = np.asarray([v for _, v in bias], np.float32)
+        self.stopped = False          # the grammar took its last token (or failed)
+        self.error: str | None = None
+
+    @property
+    def needs_bits(self) -> bool:
+        return self.matcher is not None or self.min_tokens > 0 or bool(self.bad_words)
+
+    def fill(self, row: np.ndarray, output_ids: Sequence[int]) -> None:
+        """Write this step's allowed-token bits into ``row`` (i32[W], starts all ones)."""
+        if self.matcher is not None and not self.stopped:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        grammar_row = row.copy() if self.matcher is not None else None
+        if len(output_ids) < self.min_tokens:
+            _clear(row, self.min_tokens_ids)
+        for words in self.bad_words:
+            n = len(words)
+            if n == 1 or (len(output_ids) >= n - 1 and tuple(output_ids[len(output_ids) - n + 1:]) == words[:-1]):
+                _clear(row, np.asarray(words[-1:], np.int64))
+        if grammar_row is not None and not row.any():
+            # min_tokens / bad words left nothing the grammar allows: the grammar wins,
+            # so the row never becomes all -inf.
+            row[:] = grammar_row
+
+    def advance(self, token: int) -> None:
+        """Feed the sampled token to the matcher; a token it refuses ends the sequence."""
+        if self.matcher is None or self.stopped:
+            return
+        if not self.matcher.consume_token(int(token)):
+            self.error = self.matcher.get_error() or f"token {token} refused by the grammar"
+            self.stopped = True
+        elif self.matcher.is_stopped():
+            self.stopped = True
+
+
+def _clear(row: np.ndarray, ids: np.ndarray) -> None:
+    ids = ids[(ids >= 0) & (ids < row.size * 32)]
+    if ids.size:
+        u = row.view(np.uint32)
+        np.bitwise_and.at(u, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+
+
+def bad_word_sequences(tokenizer: Any, words: Iterable[str]) -> list[tuple[int, ...]]:
+    """Token sequences for each bad word, as vLLM: the word as written and with a leading
+    space (the form it takes mid-sentence); duplicates dropped."""
+    out: list[tuple[int, ...]] = []
+    for w in words:
+        for text in (w, " " + w.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if not ids:
+                continue
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words: {w!r:.40} is {len(ids)} tokens, over the limit of "
+                                 f"{MAX_BAD_WORD_TOKENS}")
+            if ids not in out:
+                out.append(ids)
+    return out
+
+
+# ------------------------------------------------------------------ the step's mask
+
+@dataclass(frozen=True)
+class TokenMaskArrays:
+    """Host arrays of one step's TokenMask (see the module doc); numpy."""
+
+    bits: np.ndarray        # i32[S', W]
+    bias_ids: np.ndarray    # i32[S', MAX_LOGIT_BIAS]
+    bias_vals: np.ndarray   # f32[S', MAX_LOGIT_BIAS]
+    active: np.ndarray      # bool[S']
+
+
+def mask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def empty_mask(rows: int, vocab_size: int) -> TokenMaskArrays:
+    """The all-allowed, zero-bias mask of ``rows`` rows."""
+    return TokenMaskArrays(np.full((rows, mask_width(vocab_size)), -1, np.int32),
+                           np.zeros((rows, MAX_LOGIT_BIAS), np.int32),
+                           np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+                           np.zeros(rows, bool))
+
+
+def build_mask(rows: int, vocab_size: int,
+               entries: Sequence[tuple[int, SequenceConstraints, Sequence[int]]]) -> TokenMaskArrays:
+    """The step's mask: ``entries`` are (sampler slot, constraints, output token ids so far)
+    of the rows that have constraints (every other row stays all-allowed, bias 0)."""
+    m = empty_mask(rows, vocab_size)
+    tail = mask_width(vocab_size) * 32 - vocab_size
+    for slot, c, out_ids in entries:
+        m.active[slot] = True
+        if c.needs_bits:
+            c.fill(m.bits[slot], out_ids)
+            if tail:             # ids past the vocabulary never exist
+                m.bits[slot, -1] &= np.int32(np.uint32((1 << (32 - tail)) - 1).view(np.int32))
+        n = c.bias_ids.size
+        m.bias_ids[slot, :n] = c.bias_ids
+        m.bias_vals[slot, :n] = c.bias_vals
+    return m

@@ -342,17 +342,13 @@ def _sampling_params(aliases: dict[str, str], **kw: Any) -> SamplingParams:
 
 def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
     """The sampling fields shared by /v1/completions and /v1/chat/completions (incl. vLLM's)."""
+    from serving.guided_protocol import openai_constraints
+
     n = f.int("n", 1, lo=1)
     if n > limits.max_n:
         raise bad("n", f"must be <= {limits.max_n} on this server, got {n}")
-    f.reject_if_set("logit_bias", "logit_bias")
     f.reject_if_set("use_beam_search", "beam search")
-    f.reject_if_set("min_tokens", "min_tokens", allowed=(0,))
-    f.reject_if_set("guided_json", "guided decoding")
-    f.reject_if_set("guided_regex", "guided decoding")
-    f.reject_if_set("guided_choice", "guided decoding")
-    f.reject_if_set("guided_grammar", "guided decoding")
-    return dict(
+    return dict(openai_constraints(f, limits),
         n=n,
         temperature=f.num("temperature", 1.0),
         top_p=f.num("top_p", 1.0),
@@ -453,10 +449,6 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
                      ("prediction", "predicted outputs")):
         f.reject_if_set(key, why)
     f.reject_if_set("tool_choice", "tool calling", allowed=("none", "auto"))
-    fmt = f.obj("response_format")
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise bad("response_format", f"type {_short(fmt.get('type'))} is not supported (only 'text')",
-                  code="unsupported")
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise bad("modalities", "only [\"text\"] is supported", code="unsupported")
@@ -554,7 +546,7 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
         raise bad("parameters", f"must be an object, got {_type_name(raw)}")
     f = Fields(raw or {}, "parameters.")
     for key, why in (("decoder_input_details", "prompt logprobs are not computed"),
-                     ("watermark", "watermarking"), ("grammar", "guided decoding"),
+                     ("watermark", "watermarking"),
                      ("adapter_id", "adapters"), ("truncate", "input truncation"),
                      ("typical_p", "typical sampling")):
         f.reject_if_set(key, why)
@@ -584,8 +576,11 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
                                                "frequency_penalty", "seed", "stop")}
     aliases["max_tokens"] = "parameters.max_new_tokens"
     aliases["logprobs"] = "parameters.top_n_tokens"
+    from serving.guided_protocol import tgi_grammar
+
     params = _sampling_params(
         aliases,
+        **tgi_grammar(f),
         max_tokens=max_new,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_p=top_p if top_p is not None else 1.0,

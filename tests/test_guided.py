@@ -1,0 +1,213 @@
+"""Constrained decoding (jaxinfer/engine/guided.py + the sampler's token mask) on a tiny
+random-weight model with the default model's real tokenizer (49,152 tokens).
+
+Every output of 54 JSON schemas parses and validates with ``jsonschema``, greedy and
+sampled, batched with unconstrained requests whose tokens stay identical to a run without
+them; regex, choice, Lark grammars likewise; logit_bias, min_tokens, bad words; library
+errors surface as ValueError; nothing compiles after warm-up.
+
+The model is random, so nothing steers it to close a string or a number: a logit bias on
+the closing tokens (``"``, ``}``, ``]``, ``,`` and their combinations) makes outputs end
+within max_tokens. The mask still decides every token (a bias never lifts a masked one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from guided_schemas import SCHEMAS  # noqa: E402
+from test_engine import tiny_loaded  # noqa: E402
+
+from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.engine import guided as G  # noqa: E402
+from jaxinfer.engine.engine import Engine  # noqa: E402
+
+PLAIN = SamplingParams(temperature=0, max_tokens=16)
+NEIGHBOURS = ["Hello there", "Once upon"]
+
+
+class Compiles:
+    def __init__(self):
+        self.count, self.active = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, name, secs, **kw):
+        if self.active and name == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+COMPILES = Compiles()
+
+
+@pytest.fixture(scope="module")
+def tok(default_gguf_path):
+    import gguf
+
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_reader(gguf.GGUFReader(default_gguf_path))
+
+
+@pytest.fixture(scope="module")
+def eng(tok):
+    loaded = tiny_loaded(tok)
+    # Flatten the logits (tiny_loaded sharpens them 40x) so a small bias on the closing
+    # tokens ends strings and numbers, and sampling explores many allowed tokens.
+    loaded.model.embed.set_value(loaded.model.embed[...] * 0.01)
+    loaded.model.lm_head.set_value(loaded.model.lm_head[...] * 0.01)
+    # tests/test_engine.py's tiny engine shape: the session's compilation cache serves it
+    return Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
+                  max_model_len=256, num_pages=64, max_waiting=16)
+
+
+@pytest.fixture(scope="module")
+def closers(tok):
+    """Bias for tokens made only of ``"}],`` (a leading quote a bit more, a lone comma less)."""
+    out = {}
+    for i in range(tok.vocab_size):
+        s = tok.decode([i])
+        if s and set(s) <= set('"}],'):
+            out[i] = 6.0 + (2.0 if s[0] == '"' else 0.0) - (4.0 if s == "," else 0.0)
+    assert len(out) > 10
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(eng):
+    return [o.outputs[0].token_ids for o in eng.generate(NEIGHBOURS, PLAIN)]
+
+
+def run_batch(eng, baseline, params):
+    """The constrained requests batched with the unconstrained neighbours, whose tokens
+    must be those of the run without them; no compile meanwhile."""
+    COMPILES.count, COMPILES.active = 0, True
+    try:
+        outs = eng.generate(NEIGHBOURS + ["Reply in JSON:"] * len(params), [PLAIN, PLAIN] + params)
+    finally:
+        COMPILES.active = False
+    assert [o.outputs[0].token_ids for o in outs[:2]] == baseline
+    assert COMPILES.count == 0
+    return [o.outputs[0] for o in outs[2:]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schemas_outputs_validate(eng, baseline, closers, temperature):
+    assert len(SCHEMAS) >= 50
+    bad = []
+    for k in range(0, len(SCHEMAS), 6):
+        chunk = SCHEMAS[k:k + 6]
+        params = [SamplingParams(temperature=temperature, seed=k + i, max_tokens=160, guided={"json": s},
+                                 logit_bias=closers) for i, s in enumerate(chunk)]
+        for s, o in zip(chunk, run_batch(eng, baseline, params)):
+            try:
+                jsonschema.validate(json.loads(o.text), s)
+                assert o.finish_reason == "stop"
+            except (ValueError, AssertionError, jsonschema.ValidationError) as e:
+                bad.append((s, o.text, o.finish_reason, str(e)[:200]))
+    assert not bad, bad
+    assert not eng.has_unfinished() and eng.block_manager.num_free_pages == eng.block_manager.num_usable_pages
+
+
+def test_json_object_regex_choice_grammar(eng, baseline, closers):
+    regexes = [r"\d{3}-[a-z]{2,4}", r"(yes|no|maybe) because [a-z]{1,10}\.", r"[A-Z][a-z]{2,8} [0-9]{1,3}"]
+    choices = ["alpha", "beta", "gamma delta", "épsilon"]
+    lark = 'start: "SELECT " col " FROM " tbl\ncol: "a" | "b" | "*"\ntbl: /[a-z]{2,6}/'
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=1, max_tokens=40, guided={"regex": r})
+                  for r in regexes]
+        params += [SamplingParams(temperature=temperature, seed=2, max_tokens=40, guided={"choice": choices}),
+                   SamplingParams(temperature=temperature, seed=3, max_tokens=40, guided={"grammar": lark}),
+                   SamplingParams(temperature=temperature, seed=4, max_tokens=120, guided={"json_object": True},
+                                  logit_bias=closers)]
+        outs = run_batch(eng, baseline, params)
+        for r, o in zip(regexes, outs):
+            assert re.fullmatch(r, o.text), (r, o.text)
+        assert outs[3].text in choices
+        assert re.fullmatch(r"SELECT (a|b|\*) FROM [a-z]{2,6}", outs[4].text), outs[4].text
+        assert isinstance(json.loads(outs[5].text), dict)
+        assert all(o.finish_reason == "stop" for o in outs)
+
+
+def test_n_samples_each_follow_the_grammar(eng):
+    out = eng.generate("Pick:", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20,
+                                               guided={"choice": ["red", "green", "blue", "cyan"]}))[0]
+    assert all(o.text in ("red", "green", "blue", "cyan") for o in out.outputs)
+
+
+def test_logit_bias_min_tokens_bad_words(eng, baseline, tok):
+    eos = eng.eos_token_ids[0]
+    first = baseline[0][0]
+    bias_up, bias_ban, min_tok, bad = run_batch(eng, baseline, [
+        PLAIN.replace(logit_bias={123: 100}),                  # one token dominates
+        PLAIN.replace(logit_bias={first: -100}),               # the greedy first token is banned
+        PLAIN.replace(logit_bias={eos: 100}, min_tokens=5),    # EOS wins once allowed
+        PLAIN.replace(bad_words=[tok.decode(baseline[0][:1]).strip()]),
+    ])
+    assert bias_up.token_ids == [123] * 16
+    assert first not in bias_ban.token_ids
+    assert len(min_tok.token_ids) == 6
+    assert min_tok.token_ids[-1] == eos and eos not in min_tok.token_ids[:5] and min_tok.finish_reason == "stop"
+    words = G.bad_word_sequences(tok, [tok.decode(baseline[0][:1]).strip()])
+    ids = bad.token_ids
+    for w in words:
+        assert not any(tuple(ids[i:i + len(w)]) == w for i in range(len(ids))), (w, ids)
+
+
+@pytest.mark.parametrize("guided, needle", [
+    ({"json": {"type": "foo"}}, "Invalid type"),
+    ({"json": {"type": "object", "dependentSchemas": {"a": {}}}}, "Unimplemented keys"),
+    ({"json": {"$ref": "http://example.com/s.json"}}, "http://example.com/s.json"),
+    ({"json": '{"type": '}, "not valid JSON"),
+    ({"regex": "(ab"}, "unclosed group"),
+    ({"grammar": "start: foo\n"}, "foo"),
+    ({"choice": []}, "non-empty"),
+    ({"regex": "a" * (G.MAX_SPEC_CHARS + 1)}, "over the limit"),
+])
+def test_invalid_grammars_are_refused_with_the_library_message(eng, guided, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        eng.add_request("x", SamplingParams(guided=guided, max_tokens=4))
+    assert not eng.has_unfinished()
+
+
+def test_bad_constraint_values():
+    for kw, field in [({"logit_bias": {1: 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                      ({"min_tokens": 20}, "min_tokens"), ({"bad_words": [""]}, "bad_words"),
+                      ({"guided": {"xml": "a"}}, "guided")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(max_tokens=16, **kw)
+
+
+def test_grammar_cache_compiles_each_text_once(eng):
+    g = eng._grammars
+    before = g.compiled
+    for _ in range(3):
+        eng.generate("x", SamplingParams(temperature=0, max_tokens=3, guided={"regex": "[0-9]{3}"}))
+    assert g.compiled == before + 1
+
+
+def test_mask_rows_host_side():
+    class _Stub:
+        def __init__(self):
+            self.fed = []
+
+    v = 70                                            # not a multiple of 32: tail bits stay 0
+    c = G.SequenceConstraints(None, min_tokens=2, min_tokens_ids=[3, 65],
+                              bad_words=[(9,), (4, 5)], bias=[(7, 2.5)])
+    m = G.build_mask(3, v, [(1, c, [4])])
+    allowed = np.unpackbits(m.bits.view(np.uint8), bitorder="little").reshape(3, -1)
+    assert allowed[0].sum() == 96 and not m.active[0]       # untouched rows: all ones, inactive
+    row = allowed[1]
+    assert m.active[1] and row[v:].sum() == 0
+    assert {3, 65, 9, 5} == set(np.flatnonzero(row[:v] == 0))
+    assert m.bias_ids[1, 0] == 7 and m.bias_vals[1, 0] == 2.5 and m.bias_vals[1, 1:].sum() == 0
+    m2 = G.build_mask(3, v, [(1, c, [4, 1])])                # min_tokens reached, 4 5 no longer pending
+    assert set(np.flatnonzero(np.unpackbits(m2.bits[1].view(np.uint8), bitorder="little")[:v] == 0)) == {9}

@@ -53,6 +53,10 @@ def prompts(loaded):
 
 @pytest.fixture(scope="module")
 def hf_model():
+    return hf_default_model()
+
+
+def hf_default_model():
     """transformers' own GGUF reader (what ``from_pretrained(gguf_file=...)`` uses, minus its
     `accelerate` requirement): its config, its dequantized, un-permuted tensors."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

@@ -357,10 +357,13 @@ def test_kv_block_is_a_multiple_of_common_page_sizes():
     assert all(KV_BLOCK % p == 0 for p in (8, 16, 32, 64))
 
 
-def test_cpp_kernel_errors_name_the_problem(impl):
-    if impl != "cpp":
-        return
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no C++ compiler: the CPU attention kernel cannot be built here")
+def test_cpp_kernel_errors_name_the_problem():
+    from pallas_kernels import cpu_attention
     from pallas_kernels.cpu_attention import ragged_paged_attention as cpp
+
+    assert cpu_attention.available(), cpu_attention.unavailable_reason()
     c = make_case([Seq(40, 1)], 1, 0, page_size=16, heads=4, kv_heads=2, head_dim=64)
     args = [jnp.asarray(x) for x in (c.q, c.k_pages, c.v_pages, c.kv_lens, c.q_lens, c.page_table)]
     kw = dict(num_decode=1, prefill_chunk=0, sm_scale=0.125)

@@ -45,7 +45,9 @@ def test_quantized_weight_bytes(tiny):
     cfg = tiny.config
     f32 = weight_bytes(tiny.model)
     emb = cfg.vocab_size * cfg.hidden_size * 4
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 4 + 2 * cfg.num_layers * cfg.head_dim * 0
+    # RMSNorm vectors stay float: two per layer and the final one (+ Qwen3's q/k norms)
+    norms = ((2 * cfg.num_layers + 1) * cfg.hidden_size
+             + (2 * cfg.num_layers * cfg.head_dim if cfg.qk_norm else 0)) * 4
     mats = f32 - emb - norms
     q8 = weight_bytes(quantize_model(tiny.model, "int8")) - emb - norms
     q4 = weight_bytes(quantize_model(tiny.model, "int4")) - emb - norms

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import zlib
 from collections import Counter
 
 import pytest
@@ -25,8 +26,13 @@ from jaxinfer.engine.sequence import Sequence, SequenceStatus, make_sequences
 VOCAB = 1000
 
 
+def _stable_hash(*parts: object) -> int:
+    """Independent of PYTHONHASHSEED (str hashes are salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def expected_token(seq: Sequence, index: int) -> int:
-    return hash((seq.request_id, seq.sample_index, index, "tok")) % VOCAB
+    return _stable_hash(seq.request_id, seq.sample_index, index, "tok") % VOCAB
 
 
 class FakeModel:
@@ -83,7 +89,7 @@ def make(num_pages=64, page_size=4, max_num_seqs=8, budget=64, max_model_len=256
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1,
         priority: int = 0, t: float | None = None, prompt: list[int] | None = None) -> list[Sequence]:
-    prompt = prompt if prompt is not None else [hash((rid, i)) % VOCAB for i in range(prompt_len)]
+    prompt = prompt if prompt is not None else [_stable_hash(rid, i) % VOCAB for i in range(prompt_len)]
     seqs = make_sequences(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens),
                           priority=priority, arrival_time=t)
     sched.add(seqs)
@@ -375,11 +381,16 @@ def test_randomized_simulation(seed, prefix_caching):
             params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randrange(1, 40))
             seqs = make_sequences(rid, prompt, params, priority=rng.choice([0, 0, 0, 1, -1]),
                                   arrival_time=float(step))
+            waiting_before = list(sched.waiting)
             try:
                 sched.add(seqs)
                 all_seqs += seqs
             except QueueFullError:
-                pass
+                # refused only when it cannot fit, and refused whole: the queue is unchanged
+                assert sched.max_waiting is not None
+                assert len(waiting_before) + len(seqs) > sched.max_waiting
+                assert sched.waiting == waiting_before
+                assert all(s.status is SequenceStatus.WAITING and not s.page_ids for s in seqs)
             n_req += 1
         if all_seqs and rng.random() < 0.02:
             rid = rng.choice(all_seqs).request_id

@@ -300,6 +300,7 @@ class GenRequest:
     top_logprobs: int | None = None   # None: no logprobs in the response; k: chosen + top k
     tgi_details: bool = False
     return_full_text: bool = False
+    tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -444,11 +445,13 @@ def _decode(tokenizer: Any, ids: list[int], param: str) -> str:
 def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest:
     f = Fields(body)
     model = _check_model(f, limits)
-    for key, why in (("tools", "tool calling"), ("functions", "function calling"),
-                     ("function_call", "function calling"), ("audio", "audio output"),
+    from serving import tools as T
+
+    for key, why in (("functions", "function calling (use tools)"),
+                     ("function_call", "function calling (use tool_choice)"), ("audio", "audio output"),
                      ("prediction", "predicted outputs")):
         f.reject_if_set(key, why)
-    f.reject_if_set("tool_choice", "tool calling", allowed=("none", "auto"))
+    tool_spec = T.parse_tools(body)
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise bad("modalities", "only [\"text\"] is supported", code="unsupported")
@@ -465,8 +468,16 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     messages = _chat_messages(body.get("messages"))
     add_gen = f.bool("add_generation_prompt", True)
     f.obj("chat_template_kwargs")
+    if tool_spec is not None and tool_spec.constrained:
+        if "guided" in sampling:
+            raise bad("tool_choice", "a required or named tool choice cannot be combined with "
+                      "response_format or guided decoding")
+        sampling["guided"] = T.call_grammar(tool_spec)
     try:
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
+        if tool_spec is not None:
+            ids = list(T.render_messages(messages, tool_spec, tokenizer))
+        else:
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
     except Exception as e:
         raise bad("messages", f"could not apply the chat template: {e}") from None
     if not ids:
@@ -475,7 +486,7 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     k = (top or 0) if want else None
     params = _sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
     return GenRequest("chat", model, ids, "", params, stream=stream, include_usage=include_usage,
-                      top_logprobs=k)
+                      top_logprobs=k, tools=tool_spec)
 
 
 def _chat_messages(msgs: Any) -> list[dict]:
@@ -504,6 +515,11 @@ def _chat_messages(msgs: Any) -> list[dict]:
             content = _content_parts(content, f"{name}.content")
         elif not isinstance(content, str):
             raise bad(f"{name}.content", f"must be a string or an array of text parts, got {_type_name(content)}")
+        if role == "assistant" and m.get("tool_calls"):
+            from serving.tools import assistant_calls_text
+
+            calls = assistant_calls_text(m["tool_calls"], f"{name}.tool_calls")
+            content = f"{content}\n{calls}" if content else calls
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -788,9 +804,15 @@ def chat_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) -> dic
         lp = None
         if req.top_logprobs is not None and o.logprobs is not None:
             lp = chat_logprobs(o.logprobs, req.top_logprobs, texts)
-        choices.append({"index": o.index,
-                        "message": {"role": "assistant", "content": o.text, "tool_calls": []},
-                        "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        message, finish = {"role": "assistant", "content": o.text, "tool_calls": []}, o.finish_reason
+        if req.tools is not None:
+            from serving.tools import parse_tool_calls
+
+            content, calls = parse_tool_calls(o.text, req.tools)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        choices.append({"index": o.index, "message": message,
+                        "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason})
     return {"id": completion_id(req), "object": "chat.completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": output_usage(req, out),
             "system_fingerprint": None}
@@ -804,6 +826,7 @@ class OpenAIStreamer:
         self.texts = texts
         self.tracker = DeltaTracker(req.params.n)
         self.offsets = [len(req.prompt_text) if req.echo else 0] * req.params.n
+        self.held: dict[int, str] = {}      # chat with tools: each choice's text until it ends
 
     def _chunk(self, choices: list[dict]) -> dict:
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -838,6 +861,11 @@ class OpenAIStreamer:
         if d.first:   # OpenAI opens each choice with the role
             res.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
+        if self.req.tools is not None:
+            # A reply may turn out to be tool calls: its text is held until it ends.
+            from serving.tools import stream_tool_deltas
+
+            return res + [self._chunk([c]) for c in stream_tool_deltas(self, d)]
         lp = None
         if self.req.top_logprobs is not None and d.logprobs is not None:
             lp = chat_logprobs(d.logprobs, self.req.top_logprobs, self.texts)

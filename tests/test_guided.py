@@ -18,14 +18,13 @@ import os
 import re
 import sys
 
-import jax
 import jsonschema
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from guided_schemas import SCHEMAS  # noqa: E402
-from test_engine import tiny_loaded  # noqa: E402
+from test_engine import COMPILES, tiny_loaded  # noqa: E402
 
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine import guided as G  # noqa: E402
@@ -33,19 +32,6 @@ from jaxinfer.engine.engine import Engine  # noqa: E402
 
 PLAIN = SamplingParams(temperature=0, max_tokens=16)
 NEIGHBOURS = ["Hello there", "Once upon"]
-
-
-class Compiles:
-    def __init__(self):
-        self.count, self.active = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._on)
-
-    def _on(self, name, secs, **kw):
-        if self.active and name == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-COMPILES = Compiles()
 
 
 @pytest.fixture(scope="module")

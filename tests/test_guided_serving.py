@@ -1,0 +1,161 @@
+"""Structured output and tool calling through the server with the REAL engine and the
+default model, driven by the official ``openai`` client: ``response_format`` (json_schema,
+json_object), vLLM's ``guided_choice``, TGI's ``grammar``, ``tools`` with a named /
+required / auto choice (streaming and not), a two-turn tool-calling loop, and the 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mock_engine import serve_in_thread  # noqa: E402
+from test_serving_real import ENGINE_KW  # noqa: E402
+
+from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.engine.engine import Engine  # noqa: E402
+from jaxinfer.loading import load_model  # noqa: E402
+from serving.app import build_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
+    "required": ["name", "age", "hobbies"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine(loaded=load_model(None), progress=False, **ENGINE_KW)
+    aeng = AsyncEngine(engine)
+    app = build_app(aeng)
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(url=url, engine=engine, app=app)
+    assert app.state.jx.internal_errors == 0
+    asyncio.run(aeng.shutdown())
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _stream_text(stream) -> tuple[str, str]:
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+def test_response_format_json_schema_and_object(server, client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    msgs = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+    r = client.chat.completions.create(model=server.engine.model_name, messages=msgs, max_tokens=120,
+                                       temperature=0, response_format=fmt)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+    streamed, finish = _stream_text(client.chat.completions.create(
+        model=server.engine.model_name, messages=msgs, max_tokens=120, temperature=0, response_format=fmt,
+        stream=True))
+    assert streamed == text and finish == "stop"
+    ask = [{"role": "user", "content": 'Is the sky blue? Answer as JSON: {"answer": "yes"} or {"answer": "no"}.'}]
+    r = client.chat.completions.create(model=server.engine.model_name, messages=ask, max_tokens=60,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_vllm_choice_and_tgi_grammar(server, client):
+    r = client.completions.create(model=server.engine.model_name, prompt="The sky is", max_tokens=8,
+                                  temperature=0, extra_body={"guided_choice": ["blue", "green", "red"]})
+    assert r.choices[0].text in ("blue", "green", "red")
+    body = {"inputs": "My phone number is", "parameters": {
+        "max_new_tokens": 20, "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}}}
+    g = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+    assert len(g["generated_text"]) == 8 and g["generated_text"][3] == "-", g
+
+
+def test_invalid_constraints_are_400_with_the_library_message(server, client):
+    with pytest.raises(openai.BadRequestError, match="Invalid type"):
+        client.chat.completions.create(model=server.engine.model_name, messages=ASK, max_tokens=8,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "foo"}}})
+    with pytest.raises(openai.BadRequestError, match="unclosed group"):
+        client.completions.create(model=server.engine.model_name, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "(ab"})
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=server.engine.model_name, messages=ASK, max_tokens=8, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {
+        "grammar": {"type": "regex", "value": "(ab"}}}, timeout=60)
+    assert r.status_code == 422 and "unclosed group" in r.json()["error"]
+
+
+def _check_call(call, tool) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_tools_named_and_required_stream_and_not(server, client):
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = client.chat.completions.create(model=server.engine.model_name, messages=ASK, max_tokens=60,
+                                           temperature=0, tools=[WEATHER, TIME], tool_choice=choice)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        tool = WEATHER if c.message.tool_calls[0].function.name == "get_weather" else TIME
+        args = _check_call(c.message.tool_calls[0], tool)
+        # streamed: the same call, as OpenAI's tool-call deltas
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(model=server.engine.model_name, messages=ASK, max_tokens=60,
+                                                    temperature=0, tools=[WEATHER, TIME], tool_choice=choice,
+                                                    stream=True):
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+                for tc in ch.delta.tool_calls or []:
+                    cur = calls.setdefault(tc.index, {"name": "", "args": ""})
+                    cur["name"] += (tc.function.name or "") if tc.function else ""
+                    cur["args"] += (tc.function.arguments or "") if tc.function else ""
+        assert finish == "tool_calls" and len(calls) == 1
+        assert calls[0]["name"] == tool["function"]["name"] and json.loads(calls[0]["args"]) == args
+
+
+def test_two_turn_tool_loop(server, client):
+    msgs = list(ASK)
+    r = client.chat.completions.create(model=server.engine.model_name, messages=msgs, max_tokens=60,
+                                       temperature=0, tools=[WEATHER], tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    args = _check_call(call, WEATHER)
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+    msgs.append({"role": "tool", "tool_call_id": call.id,
+                 "content": json.dumps({"city": args["city"], "temperature": 21, "unit": args["unit"]})})
+    r2 = client.chat.completions.create(model=server.engine.model_name, messages=msgs, max_tokens=40,
+                                        temperature=0, tools=[WEATHER], tool_choice="auto")
+    c = r2.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls")
+    assert c.message.content or c.message.tool_calls
+    # the second prompt carries the first call and the tool's answer
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens + 20

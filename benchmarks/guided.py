@@ -73,7 +73,6 @@ def main() -> None:
     p = C.base_parser(__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine

@@ -5,11 +5,9 @@ required / auto choice (streaming and not), a two-turn tool-calling loop, and th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -17,13 +15,9 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mock_engine import serve_in_thread  # noqa: E402
-from test_serving_real import ENGINE_KW  # noqa: E402
-
-from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
-from jaxinfer.engine.engine import Engine  # noqa: E402
-from jaxinfer.loading import load_model  # noqa: E402
-from serving.app import build_app  # noqa: E402
+# The real-engine server and client fixtures (same engine shape: the compilation cache
+# serves both modules).
+from test_serving_real import client, server  # noqa: E402,F401
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +35,6 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "Current time in a timezone",
     "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine(loaded=load_model(None), progress=False, **ENGINE_KW)
-    aeng = AsyncEngine(engine)
-    app = build_app(aeng)
-    with serve_in_thread(app) as url:
-        yield SimpleNamespace(url=url, engine=engine, app=app)
-    assert app.state.jx.internal_errors == 0
-    asyncio.run(aeng.shutdown())
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def _stream_text(stream) -> tuple[str, str]:

@@ -5,6 +5,7 @@ Routes:
   POST /generate, POST /generate_stream, GET /info                           (TGI)
   GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
   GET /openapi.json                                                          (request schemas)
+  GET / and /static/* (the chat page, serving/web/)
 
 Every generation request follows one path: read the body (size-capped), parse and
 validate it into a ``GenRequest`` (serving/protocol.py), then drive
@@ -30,6 +31,7 @@ import contextlib
 import hmac
 import inspect
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,8 +42,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from jaxinfer.config import RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
@@ -52,6 +55,10 @@ from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
 log = logging.getLogger("jaxinfer.serving")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")   # the chat page
+# The page loads only its own script and style and talks only to this server.
+_PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 DEFAULT_MAX_N = 16
 # A body over the limit is still read (and thrown away) up to this many times the limit, so
 # the client gets to read our 413 instead of a connection reset while it is still sending.
@@ -586,6 +593,11 @@ async def openapi(request: Request, st: ServerState) -> Response:
     return json_response(P.openapi_schema())
 
 
+async def chat_page(request: Request, st: ServerState) -> Response:
+    """The chat page (serving/web/); it asks for the API key itself when the server has one."""
+    return FileResponse(os.path.join(WEB_DIR, "index.html"), headers=_PAGE_HEADERS)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", "") or "error"
@@ -668,6 +680,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
+        Route("/", endpoint(chat_page, auth=False), methods=["GET"]),
+        Mount("/static", StaticFiles(directory=WEB_DIR), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=_middleware(allowed_hosts, allowed_origins),
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})

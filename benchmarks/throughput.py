@@ -20,7 +20,8 @@ Variants (``--variants``, comma-separated, all in one run so their ratios are fa
 ``inv`` batch-invariant matmuls (the default), ``fast`` plain matmuls; suffix ``@N`` sets
 max_num_batched_tokens (default 512); prefix ``auto:`` uses the engine's default bucket
 ladders instead of the tuned ones below, ``single:`` the tuned ladder as it was before
-packed prefill (single-slot chunks of 64..256 tokens, so one prompt per step). The cost of batch invariance is reported as
+packed prefill (single-slot chunks of 64..256 tokens, so one prompt per step); suffix
+``-nopc`` turns prefix caching (on by default) off, so ``inv,inv-nopc`` is its A/B. The cost of batch invariance is reported as
 (fast / inv - 1) when both are run.
 
 Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots,
@@ -47,13 +48,14 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
     ladder = "tuned"
     if ":" in v:
         ladder, v = v.split(":", 1)
+    v, nopc = (v[:-5], True) if v.endswith("-nopc") else (v, False)
     name, _, budget = v.partition("@")
     if name not in ("inv", "fast") or ladder not in ("tuned", "single", "auto"):
-        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:|single:]inv|fast[@tokens])")
+        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:|single:]inv|fast[@tokens][-nopc])")
     budget = int(budget or 512)
     cfg = dict(dtype="float32", page_size=16, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
-               batch_invariant=name == "inv",
+               batch_invariant=name == "inv", enable_prefix_caching=not nopc,
                num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
     if ladder == "tuned":
         slots = [n for n in range(2, budget // 32 + 1, 2)] or [1]
@@ -67,7 +69,7 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
                    mixed_decode_buckets=(0, max_num_seqs),
                    prefill_buckets=tuple((1, c) for c in chunks),
                    page_buckets=(MAX_MODEL_LEN // 16,))
-    return {"label": f"{ladder}:{name}@{budget}", "config": cfg}
+    return {"label": f"{ladder}:{name}@{budget}{'-nopc' if nopc else ''}", "config": cfg}
 
 
 def model_flops(cfg, prompts, n_new: int) -> dict:
@@ -116,6 +118,8 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
     t0 = time.perf_counter()
     engine.generate([p[:40] for p in prompts[:6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     first = time.perf_counter() - t0
+    for rep in engine.replicas:       # the warm-up's pages must not be hits in the timed run
+        rep.block_manager.reset_prefix_cache()
     steps0, host0, dev0 = engine.num_steps, engine.host_seconds, engine.device_seconds
     la0 = C.load_avg()
     steps_log, pending = [], []
@@ -154,6 +158,7 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
          "ceiling_fraction": flops["model_flops"] / secs / 1e9 / ceiling,
          "with_attention_gflops": (flops["model_flops"] + flops["attention_flops"]) / secs / 1e9,
          "preemptions": engine.stats()["num_preemptions_total"],
+         "prefix_cache_hits": engine.stats()["prefix_cache_hits_total"],
          "breakdown": step_breakdown(steps_log),
          "token_ids": [o.outputs[0].token_ids for o in outs],
          "load_avg_start": la0, "load_avg": C.load_avg()}

@@ -31,7 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting sequences before 503")
-    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of earlier requests' identical prefixes (on by default)")
+    p.add_argument("--host-kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="host RAM for prefix-cache pages evicted from the device (0 = off; "
+                        "default: off on CPU, 10%% of RAM on accelerators)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
@@ -93,6 +97,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int):
         max_num_seqs=args.max_num_seqs or default_max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
+        host_kv_cache_memory=args.host_kv_cache_memory,
         num_scheduler_steps=args.num_scheduler_steps,
         compilation_cache_dir=args.compilation_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None

@@ -249,8 +249,12 @@ class SamplingParams:
     logit_bias: Any = ()
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    # Prefix caching (vLLM's cache_salt): requests share cached KV pages only with requests
+    # of the same salt, so tenants who must not see each other's timing don't share.
+    cache_salt: str | None = None
 
     MAX_LOGPROBS = 20
+    MAX_CACHE_SALT_CHARS = 1024
 
     def __post_init__(self) -> None:
         # Accept lists / single strings for convenience but store tuples (hashable, frozen).
@@ -285,6 +289,10 @@ class SamplingParams:
                  f"must be non-empty strings, got {self.stop!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be non-negative integers, got {self.stop_token_ids!r}")
+        _require(self.cache_salt is None or (isinstance(self.cache_salt, str)
+                 and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS), "cache_salt",
+                 f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters or None, "
+                 f"got {self.cache_salt!r:.80}")
         _require(self.logprobs is None or (isinstance(self.logprobs, int)
                  and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
                  f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
@@ -394,7 +402,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 512        # tokens in one step (chunked prefill budget)
     max_model_len: int | None = None         # prompt + output; default min(model's, 4096)
     max_waiting: int | None = 4096           # waiting sequences before QueueFullError
-    enable_prefix_caching: bool = False
+    # Prefix caching (engine/block_manager.py): full computed KV pages are kept, found by
+    # chain hash and shared by later requests with the same prefix; evicted LRU.
+    enable_prefix_caching: bool = True
+    # Host-memory tier behind the prefix cache: bytes of host RAM for cached pages evicted
+    # from the device (0 = off). None = auto: off on CPU (device memory is host memory),
+    # else HOST_KV_CACHE_RAM_FRACTION of the machine's RAM.
+    host_kv_cache_memory: int | None = None
+    # Tests: fill every page that loses its content (freed or evicted) with NaN / garbage
+    # before the next step, so a read of a freed page shows in the outputs.
+    debug_poison_freed_pages: bool = False
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
     seed: int = 0                            # base of per-request seeds when none is given
     # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
@@ -424,6 +441,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
+    HOST_KV_CACHE_RAM_FRACTION = 0.1
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype",
@@ -443,6 +461,9 @@ class EngineConfig:
         v = self.tensor_parallel_size
         _require(isinstance(v, int) and v >= 0, "tensor_parallel_size",
                  f"must be a positive integer (or 0 for auto), got {v!r}")
+        v = self.host_kv_cache_memory
+        _require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                 "host_kv_cache_memory", f"must be a non-negative integer (bytes) or None, got {v!r}")
         for name in ("kv_cache_memory", "num_pages", "max_model_len", "max_waiting"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, int) and v >= 1), name,

@@ -47,6 +47,14 @@ _ENGINE_METRICS = (
     ("num_preemptions_total", "num_preemptions", "Cumulative number of preemptions.", "counter"),
     ("prompt_tokens_total", "prompt_tokens", "Prefill tokens processed.", "counter"),
     ("generation_tokens_total", "generation_tokens", "Generation tokens produced.", "counter"),
+    ("prefix_cache_queries_total", "prefix_cache_queries",
+     "Prefix cache queries, in tokens (prompt tokens looked up at admission).", "counter"),
+    ("prefix_cache_hits_total", "prefix_cache_hits", "Prefix cache hits, in tokens (not recomputed).", "counter"),
+    ("prefix_cache_host_hits_total", "external_prefix_cache_hits",
+     "Prefix cache hits served by the host-memory tier, in tokens (part of prefix_cache_hits).", "counter"),
+    ("prefix_cache_pages", "prefix_cache_pages", "KV pages held by the prefix cache on the device.", "gauge"),
+    ("host_cache_pages", "host_prefix_cache_pages", "KV pages held by the host-memory tier.", "gauge"),
+    ("host_cache_total_pages", "host_prefix_cache_total_pages", "Host-memory tier capacity, in pages.", "gauge"),
 )
 
 

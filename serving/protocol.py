@@ -364,6 +364,7 @@ def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
         ignore_eos=f.bool("ignore_eos", False),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
+        cache_salt=f.str("cache_salt", None),
     )
 
 
@@ -968,6 +969,7 @@ _SAMPLING = dict(
     ignore_eos=_BOOL, include_stop_str_in_output=_BOOL, skip_special_tokens=_BOOL,
     stream=_BOOL, stream_options={"type": "object", "properties": {"include_usage": _BOOL}},
     model=_STR, max_tokens={**_INT, "minimum": 1},
+    cache_salt={**_STR, "minLength": 1, "maxLength": SamplingParams.MAX_CACHE_SALT_CHARS},
 )
 
 

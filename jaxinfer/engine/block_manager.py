@@ -23,22 +23,50 @@ Prefix caching (``enable_prefix_caching=True``): the hash of page ``i`` of a seq
 to 64-bit collisions; a hit also compares the page's tokens, so a wrong hit needs a
 collision on the whole earlier prefix and identical tokens. Pages are registered once
 their KV is computed (``cache_computed``, called after the step), never earlier, because
-a hit must read KV that already exists.
+a hit must read KV that already exists. A request's ``cache_salt`` seeds its chain, so
+requests with different salts never share pages.
+
+Eviction order: the evictable pool is least recently freed first, and a sequence frees its
+pages last-first, so a prefix's leaves are evicted before their parents. A parent's
+refcount is never below its child's (whoever holds a page holds its whole prefix), so a
+parent never becomes evictable before its children.
+
+Host tier (``num_host_pages > 0``): a cached page evicted from the device is first copied
+to a host slot (engine/host_page_index.py), and a lookup that misses on the device but
+hits on the host returns a ``HostPage``; ``allocate_for`` gives it a fresh device page
+and copies it back. This module only decides: every copy is queued as a ``PageOp`` in
+the order it was decided, and the engine hands them to the runner (``take_page_ops``)
+before the step's forward reads any page. ``record_freed=True`` (tests) also queues a
+"poison" op for every page that loses its content (freed, or evicted), so a runner that
+poisons them makes any read of a freed page show in the outputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as _Seq
+from typing import NamedTuple
 
+from jaxinfer.engine.host_page_index import HostPage, HostPageIndex
 from jaxinfer.engine.sequence import Sequence
 
 # A fixed int (not hash of a str, which PYTHONHASHSEED randomizes) so hashes are reproducible.
 _ROOT_HASH = 0x6A6178696E666572
 
 
+class PageOp(NamedTuple):
+    """One page move for the runner: "to_host" (device ``page`` -> host ``slot``),
+    "to_device" (host ``slot`` -> device ``page``) or "poison" (``page``; slot unused)."""
+
+    kind: str
+    page: int
+    slot: int = -1
+
+
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
+                 num_host_pages: int = 0, record_freed: bool = False) -> None:
         if not (isinstance(num_pages, int) and num_pages >= 2):
             raise ValueError(f"num_pages: must be an integer >= 2 (page 0 is reserved), got {num_pages!r}")
         if not (isinstance(page_size, int) and page_size >= 1):
@@ -54,6 +82,10 @@ class BlockManager:
         self._page_hash: dict[int, int] = {}
         self._page_tokens: dict[int, tuple[int, ...]] = {}
         self._num_registered: dict[int, int] = {}                  # seq_id -> pages checked
+        self.host = HostPageIndex(num_host_pages if enable_prefix_caching else 0)
+        self._pinned_slots: set[int] = set()     # host slots being read by the current allocation
+        self.record_freed = record_freed
+        self._ops: list[PageOp] = []
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -78,6 +110,11 @@ class BlockManager:
         """Pages registered in the prefix cache (held or evictable)."""
         return len(self._page_hash)
 
+    @property
+    def num_host_cached_pages(self) -> int:
+        """Pages the host tier holds."""
+        return len(self.host)
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
@@ -89,24 +126,32 @@ class BlockManager:
 
     # ---- allocation ---------------------------------------------------------------
     def allocate_for(self, seq: Sequence, num_tokens_total: int,
-                     prefix_pages: _Seq[int] = ()) -> bool:
+                     prefix_pages: _Seq[int | HostPage] = ()) -> bool:
         """Grow ``seq.page_ids`` to cover ``num_tokens_total`` token slots; all or nothing.
 
         ``prefix_pages`` (only for a sequence holding no pages yet) are full, computed
-        pages to reuse as its first pages: a sibling's prompt pages or prefix-cache hits.
-        They are taken by reference (refcount + 1), the rest come from the free pool.
-        Returns False, changing nothing, if the free pool is too small.
+        pages to reuse as its first pages: a sibling's prompt pages or prefix-cache hits
+        (``lookup_prefix``). Device pages are taken by reference (refcount + 1); a
+        ``HostPage`` gets a fresh page and a "to_device" op; the rest come from the free
+        pool. Returns False, changing nothing, if the free pool is too small.
         """
         if prefix_pages and seq.page_ids:
             raise ValueError(f"prefix_pages given for {seq!r}, which already holds pages")
-        extra = self.pages_for(num_tokens_total) - len(seq.page_ids) - len(prefix_pages)
+        on_device = [p for p in prefix_pages if not isinstance(p, HostPage)]
+        extra = self.pages_for(num_tokens_total) - len(seq.page_ids) - len(on_device)
         # Evictable prefix pages leave the free pool when taken, so they don't count.
-        reclaimed = sum(1 for p in prefix_pages if self._refcount[p] == 0)
+        reclaimed = sum(1 for p in on_device if self._refcount[p] == 0)
         if max(extra, 0) > self.num_free_pages - reclaimed:
             return False
-        for p in prefix_pages:            # before taking fresh pages: they must not be evicted
+        for p in on_device:               # before taking fresh pages: they must not be evicted
             self._incref(p)
-        seq.page_ids.extend(prefix_pages)
+        self._pinned_slots = {p.slot for p in prefix_pages if isinstance(p, HostPage)}
+        for p in prefix_pages:
+            if isinstance(p, HostPage):
+                p = self._load_from_host(p.slot)
+                extra -= 1
+            seq.page_ids.append(p)
+        self._pinned_slots = set()
         for _ in range(extra):
             p = self._take_free_page()
             self._refcount[p] = 1
@@ -140,8 +185,9 @@ class BlockManager:
         self._num_registered.pop(seq.seq_id, None)
 
     # ---- prefix caching -----------------------------------------------------------
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """The longest run of cached pages matching ``seq``'s first full pages.
+    def lookup_prefix(self, seq: Sequence) -> list[int | HostPage]:
+        """The longest run of cached pages matching ``seq``'s first full pages: device
+        page ids, or ``HostPage`` where only the host tier holds the page.
 
         Leaves at least one token to compute (the step must produce logits for the last
         token), so at most ``(num_tokens - 1) // page_size`` pages. Changes nothing; pass
@@ -151,14 +197,25 @@ class BlockManager:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
         hashes = self._hashes(seq, max_pages)
-        pages: list[int] = []
+        pages: list[int | HostPage] = []
         ps = self.page_size
         for i in range(max_pages):
+            tokens = tuple(seq.token_ids_slice(i * ps, (i + 1) * ps))
             p = self._hash_to_page.get(hashes[i])
-            if p is None or self._page_tokens[p] != tuple(seq.token_ids_slice(i * ps, (i + 1) * ps)):
+            if p is not None and self._page_tokens[p] == tokens:
+                pages.append(p)
+                continue
+            slot = self.host.find(hashes[i], tokens) if self.host.num_slots else None
+            if slot is None:
                 break
-            pages.append(p)
+            pages.append(HostPage(slot))
         return pages
+
+    def take_page_ops(self) -> list[PageOp]:
+        """The page moves decided since the last call, in order (the runner applies them
+        before the next forward)."""
+        ops, self._ops = self._ops, []
+        return ops
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register ``seq``'s newly full, computed pages in the prefix cache (after a step)."""
@@ -190,6 +247,7 @@ class BlockManager:
         for p in list(self._page_hash):
             self._unregister(p)   # held pages stay held, just no longer findable
         self._num_registered.clear()
+        self.host.clear()
 
     # ---- checks -------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -209,13 +267,44 @@ class BlockManager:
         assert len(self._hash_to_page) == len(self._page_hash) == len(self._page_tokens)
         for h, p in self._hash_to_page.items():
             assert self._page_hash[p] == h, f"hash table and page {p} disagree"
+        self.host.check_invariants()
 
     # ---- internals ----------------------------------------------------------------
     def _take_free_page(self) -> int:
         if self._free:
             return self._free.pop()
         p, _ = self._evictable.popitem(last=False)   # evict the least recently freed
+        self._save_to_host(p)
         self._unregister(p)
+        if self.record_freed:
+            self._ops.append(PageOp("poison", p))
+        return p
+
+    def _save_to_host(self, p: int) -> None:
+        """Before device page ``p`` (cached) is reused: keep a host copy if the tier has room."""
+        if not self.host.num_slots:
+            return
+        h = self._page_hash[p]
+        if h in self.host:               # inclusive tier: already there (it came from the host)
+            slot = self.host.find(h, self._page_tokens[p])
+            if slot is not None:
+                self.host.touch(slot)
+            return
+        slot = self.host.put(h, self._page_tokens[p], self._pinned_slots)
+        if slot is not None:
+            self._ops.append(PageOp("to_host", p, slot))
+
+    def _load_from_host(self, slot: int) -> int:
+        """A fresh device page (refcount 1) that will hold host ``slot``'s KV, registered
+        in the device cache at once: the copy runs before any forward can read it."""
+        h, tokens = self.host.entry(slot)
+        self.host.touch(slot)
+        p = self._take_free_page()
+        self._refcount[p] = 1
+        self._ops.append(PageOp("to_device", p, slot))
+        self._hash_to_page[h] = p
+        self._page_hash[p] = h
+        self._page_tokens[p] = tokens
         return p
 
     def _incref(self, p: int) -> None:
@@ -235,6 +324,8 @@ class BlockManager:
                 self._evictable[p] = None
             else:
                 self._free.append(p)
+                if self.record_freed:
+                    self._ops.append(PageOp("poison", p))
 
     def _unregister(self, p: int) -> None:
         h = self._page_hash.pop(p)
@@ -246,6 +337,14 @@ class BlockManager:
         hs, ps = seq.page_hashes, self.page_size
         while len(hs) < num_pages:
             i = len(hs)
-            parent = hs[-1] if hs else _ROOT_HASH
+            parent = hs[-1] if hs else root_hash(seq.params.cache_salt)
             hs.append(hash((parent, tuple(seq.token_ids_slice(i * ps, (i + 1) * ps)))))
         return hs
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The chain's seed: a salt gives its requests a chain of their own."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    # hash() of a str is randomized per process (PYTHONHASHSEED); a digest is not.
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")

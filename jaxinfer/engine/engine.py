@@ -118,6 +118,7 @@ class Engine:
         self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,
                                        mc.head_dim, dtype)
         self.ladders = self._ladders()
+        self.num_host_pages = host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
         if meshes and _num_processes() > 1:
             from jaxinfer.engine.multihost import StepPublisher
@@ -141,12 +142,15 @@ class Engine:
         from jaxinfer.engine.runner import ModelRunner
 
         c = self.config
-        bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching)
+        bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching,
+                          num_host_pages=self.num_host_pages, record_freed=c.debug_poison_freed_pages)
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
                           prefill_shapes=self.ladders.prefill_shapes)
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                              mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
-        return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)))   # row 0: padding sink
+        if bm.host.num_slots or c.debug_poison_freed_pages:
+            runner.enable_page_moves(bm.host.num_slots)
+        return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)
 
     # The first replica's parts, for single-replica callers (benchmarks, tests).
     @property
@@ -240,8 +244,7 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         constraints = self._constraints(params) if params.constrained else None
         seqs = make_sequences(request_id, ids, params, priority=priority)
-        # Data parallelism: the least loaded replica takes it (sequences running or waiting).
-        replica = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
+        replica = self._pick_replica(seqs[0])
         self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
         seeds = [derive_seed(params.seed, i) if params.seed is not None
                  else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
@@ -271,6 +274,14 @@ class Engine:
         return [G.SequenceConstraints(first if i == 0 or first is None else first.deep_copy(),
                                       p.min_tokens, stop_ids, words, p.logit_bias) for i in range(p.n)]
 
+    def _pick_replica(self, seq: Sequence) -> int:
+        """Data parallelism: the replica whose prefix cache holds the longest prefix of the
+        prompt (a hit skips that prefill), the least loaded (running + waiting) on a tie."""
+        if len(self.replicas) == 1:
+            return 0
+        return min(range(len(self.replicas)),
+                   key=lambda i: (-len(self.replicas[i].block_manager.lookup_prefix(seq)), self.replicas[i].load))
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or already finished."""
         req = self._requests.pop(request_id, None)
@@ -293,11 +304,13 @@ class Engine:
         # A constrained sequence needs the host between tokens: no multi-step runs then.
         if self.config.num_scheduler_steps > 1 and not any(r.constraints for r in self._requests.values()):
             run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
+            self.replicas[0].apply_page_ops()
             if run is not None:
                 return self._multi_step(self.replicas[0], *run, t0)
         pending = []
         for rep in self.replicas:
             sched = rep.scheduler.schedule()
+            rep.apply_page_ops()
             for seq in sched.preempted:
                 rep.release_row(seq)
             if sched.is_empty:
@@ -505,7 +518,16 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
+            **self._prefix_cache_stats(),
         }
+
+    def _prefix_cache_stats(self) -> dict[str, int]:
+        keys = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_host_hits_total",
+                "prefix_cache_pages", "host_cache_pages")
+        per = [r.scheduler.stats() for r in self.replicas]
+        out = {k: sum(int(s[k]) for s in per) for k in keys}
+        out["host_cache_total_pages"] = sum(r.block_manager.host.num_slots for r in self.replicas)
+        return out
 
 
 @dataclass
@@ -516,7 +538,15 @@ class _Replica:
     block_manager: BlockManager
     runner: Any                                   # engine.runner.ModelRunner
     free_rows: list[int]                          # penalty-state rows not in use
+    poison_freed_pages: bool = False              # EngineConfig.debug_poison_freed_pages
     rows: dict[int, int] = field(default_factory=dict)   # seq_id -> penalty-state row
+
+    def apply_page_ops(self) -> None:
+        """The block manager's page moves (host tier, test poisoning), run by the runner
+        before this replica's next forward."""
+        ops = self.block_manager.take_page_ops()
+        if ops:
+            self.runner.apply_page_ops(ops, self.poison_freed_pages)
 
     @property
     def load(self) -> int:
@@ -597,6 +627,28 @@ def _place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:
                              state)
         models.append(nnx.merge(graphdef, moved))
     return models
+
+
+def host_kv_pages(config: EngineConfig, bytes_per_page: int, num_replicas: int) -> int:
+    """Host-tier pages per replica: ``host_kv_cache_memory`` split among the replicas; by
+    default none on CPU (the device's memory is host memory already) and a fraction of RAM
+    on accelerators. Only with prefix caching, and one process (followers would not
+    replay the copies)."""
+    mem = config.host_kv_cache_memory
+    if not config.enable_prefix_caching or mem == 0:
+        return 0
+    if _num_processes() > 1:
+        if mem is not None:
+            raise ValueError("host_kv_cache_memory: the host KV tier runs in one process; "
+                             "set it to 0 with jax.distributed")
+        return 0
+    if mem is None:
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return 0
+        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.HOST_KV_CACHE_RAM_FRACTION)
+    return mem // num_replicas // bytes_per_page
 
 
 def kv_budget(config: EngineConfig) -> int:

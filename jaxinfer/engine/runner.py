@@ -232,6 +232,23 @@ class ModelRunner:
         self._empty_masks: dict[int, S.TokenMask] = {}
         self.compile_seconds = 0.0
         self.last_logits: jax.Array | None = None
+        self.page_mover: Any = None       # kv_offload.PageMover, with a host tier or poisoning
+
+    def enable_page_moves(self, num_host_slots: int) -> float:
+        """A host pool of ``num_host_slots`` pages and the page-copy executables, compiled
+        now (start-up); returns the seconds compiling took."""
+        from jaxinfer.engine.kv_offload import PageMover
+
+        self.page_mover = PageMover(self.kv, num_host_slots, self.mesh)
+        secs = self.page_mover.compile(self.kv)
+        self.compile_seconds += secs
+        return secs
+
+    def apply_page_ops(self, ops: list, poison: bool = False) -> None:
+        """Run the block manager's page moves (block_manager.PageOp, in order) on the cache,
+        before the next forward; "poison" ops only when ``poison`` (tests)."""
+        if ops:
+            self.kv = self.page_mover.apply(self.kv, ops, poison)
 
     def _abstract(self, x, sharding=None):
         """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""

@@ -37,6 +37,10 @@ from there samples its own tokens into its own pages. Full pages are never writt
 so sharing them is safe; partial pages are never shared. With prefix caching enabled a
 cache hit is used instead when it is longer.
 
+Prefix caching: admission starts a sequence at its first uncached token (the hit's pages,
+device or host tier, are counted as computed; chunked prefill and packing then see only
+the rest), always leaving at least its last token to compute so it samples.
+
 Requests that can never run are refused by ``add`` with ValueError: a prompt longer than
 ``max_model_len``, or a sequence whose worst-case length (prompt + max_tokens - 1 tokens
 of KV, capped at ``max_model_len``) needs more pages than the whole cache has (it would
@@ -53,6 +57,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.host_page_index import HostPage
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 # Raised by ``Scheduler.add`` when the waiting queue already holds ``max_waiting``
 # sequences (a request with ``n`` samples needs ``n`` places). Transient: retry later (the
@@ -139,6 +144,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_cached_tokens_total = 0     # admitted tokens found in the cache (not recomputed)
         self.num_admitted_tokens_total = 0   # tokens to compute at admission, cached included
+        # vLLM's prefix-cache counters, in tokens, counted at admission (caching on only)
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.prefix_cache_host_hits_total = 0  # the part of the hits copied from the host tier
 
     # ---- stats --------------------------------------------------------------------
     @property
@@ -165,6 +174,11 @@ class Scheduler:
             "num_free_pages": self.bm.num_free_pages,
             "num_cached_tokens_total": self.num_cached_tokens_total,
             "num_admitted_tokens_total": self.num_admitted_tokens_total,
+            "prefix_cache_queries_total": self.prefix_cache_queries_total,
+            "prefix_cache_hits_total": self.prefix_cache_hits_total,
+            "prefix_cache_host_hits_total": self.prefix_cache_host_hits_total,
+            "prefix_cache_pages": self.bm.num_cached_pages,
+            "host_cache_pages": self.bm.num_host_cached_pages,
         }
 
     # ---- requests in and out ------------------------------------------------------
@@ -342,12 +356,17 @@ class Scheduler:
             seq.num_cached_tokens = cached
             self.num_cached_tokens_total += cached
             self.num_admitted_tokens_total += seq.num_tokens
+            if self.bm.enable_prefix_caching:
+                self.prefix_cache_queries_total += seq.num_tokens
+                self.prefix_cache_hits_total += cached
+                self.prefix_cache_host_hits_total += self.bm.page_size * sum(
+                    isinstance(p, HostPage) for p in prefix)
             bisect.insort(self.running, seq, key=self._key)
             chosen[seq.seq_id] = ScheduledSeq(seq, cached, num_new, target == seq.num_tokens)
             budget -= num_new
         return budget
 
-    def _prefix_for(self, seq: Sequence) -> list[int] | None:
+    def _prefix_for(self, seq: Sequence) -> list[int | HostPage] | None:
         """Computed pages ``seq`` can start from, or None if it should wait for a sibling."""
         p = seq.params
         if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:

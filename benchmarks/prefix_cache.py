@@ -1,0 +1,236 @@
+"""Prefix caching on the default model: what a hit saves, in one run.
+
+1. ``turn2``: TTFT of MT-Bench turn 2 (system prompt + turn 1 + the model's reply + the
+   second user turn, through the chat template) in three states of one engine, same
+   executables: cache off (the prefix cache emptied first, so the whole prompt is
+   computed), device hit (turn 1 and its reply still on the device), host-tier hit (turn
+   1's pages pushed out of a small device cache to the host tier by filler prompts, then
+   copied back). Each state's first 8 tokens are compared: they must be equal.
+2. ``prefix448``: the workload's 512-token ``prefill`` prompt after another prompt with
+   the same first 448 tokens: TTFT cold vs on a hit (28 of 32 pages cached).
+3. ``serve``: 64 two-turn conversations through AsyncEngine (the server's engine loop; no
+   HTTP), up to 16 at a time, each turn 2 sent when its turn 1 ends; cache on vs a second
+   engine with it off: wall time, turn-2 TTFT, tokens computed.
+
+MT-Bench comes from ../shared/data when present; otherwise conversations written here
+stand in (the report says so). vLLM is not run here (not installed on this machine).
+
+    python benchmarks/prefix_cache.py [--parts turn2,prefix448,serve] [--conversations 8] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import common as C
+
+SYSTEM = ("You are a helpful, careful assistant. Answer the user's questions accurately and "
+          "concisely, explain your reasoning when it helps, and say so when you are not sure.")
+FALLBACK = [
+    ["Write a short travel note about a rainy day in Lisbon.", "Now rewrite it as a haiku."],
+    ["Explain what a hash table is to a new programmer.", "Give a Python example of one."],
+    ["List three causes of the French Revolution.", "Which of them mattered most, and why?"],
+    ["Describe how a bicycle gear system works.", "How would you explain it to a child?"],
+]
+
+
+def conversations(n: int) -> tuple[list[list[str]], str]:
+    path = C.DATA / "mt_bench_questions.jsonl"
+    if path.exists():
+        rows = [json.loads(x)["turns"][:2] for x in path.read_text().splitlines()]
+        return [rows[i % len(rows)] for i in range(n)], str(path)
+    return [FALLBACK[i % len(FALLBACK)] for i in range(n)], "written in benchmarks/prefix_cache.py (no MT-Bench)"
+
+
+def chat_ids(tok, *turns: str) -> list[int]:
+    msgs = [{"role": "system", "content": SYSTEM}]
+    msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def engine_kw(args, **over) -> dict:
+    mml = 1024
+    kw = dict(dtype="float32", page_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+              max_model_len=mml, num_pages=args.device_pages, decode_buckets=(1, args.max_num_seqs),
+              mixed_decode_buckets=(0, args.max_num_seqs), prefill_buckets=((1, 32), (16, 32)),
+              page_buckets=(mml // 16,), compilation_cache_dir=args.compilation_cache)
+    kw.update(over)
+    return kw
+
+
+def ttft(engine, ids: list[int], n_new: int = 1) -> tuple[float, list[int], dict]:
+    """One request alone: seconds to its first token, its tokens, stats deltas."""
+    from jaxinfer.config import SamplingParams
+
+    before = engine.stats()
+    t0 = time.perf_counter()
+    rid = engine.add_request(list(ids), SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
+    first = None
+    while True:
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+            if out.finished:
+                after = engine.stats()
+                delta = {k: after[k] - before[k] for k in ("prefix_cache_hits_total", "prefix_cache_host_hits_total",
+                                                          "prompt_tokens_total")}
+                return first, out.outputs[0].token_ids, delta
+
+
+def reply(engine, ids: list[int], n: int) -> str:
+    from jaxinfer.config import SamplingParams
+
+    return engine.generate([ids], SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text
+
+
+def part_turn2(engine, tok, convs, args) -> dict:
+    rng = __import__("numpy").random.default_rng(0)
+    filler = [rng.integers(100, 49152, size=900).tolist() for _ in range(2)]
+    rows = []
+    for c in convs:
+        engine.block_manager.reset_prefix_cache()
+        t1 = chat_ids(tok, c[0])
+        r = reply(engine, t1, args.reply_tokens)
+        t2 = chat_ids(tok, c[0], r, c[1])
+        dev, dev_tok, dev_d = ttft(engine, t2, 8)
+        engine.block_manager.reset_prefix_cache()
+        reply(engine, t1, args.reply_tokens)           # turn 1 cached again, then pushed to the host
+        for f in filler:
+            ttft(engine, f, 1)
+        host, host_tok, host_d = ttft(engine, t2, 8)
+        engine.block_manager.reset_prefix_cache()
+        cold, cold_tok, cold_d = ttft(engine, t2, 8)
+        rows.append({"prompt_tokens": len(t2), "turn1_tokens": len(t1), "cold_s": cold, "device_hit_s": dev,
+                     "host_hit_s": host, "device_hit_tokens": dev_d["prefix_cache_hits_total"],
+                     "host_hit_tokens": host_d["prefix_cache_host_hits_total"],
+                     "same_tokens": cold_tok == dev_tok == host_tok})
+    med = lambda k: statistics.median(r[k] for r in rows)   # noqa: E731
+    return {"rows": rows, "cold_s": med("cold_s"), "device_hit_s": med("device_hit_s"),
+            "host_hit_s": med("host_hit_s"), "device_ratio": med("device_hit_s") / med("cold_s"),
+            "host_ratio": med("host_hit_s") / med("cold_s"), "all_same_tokens": all(r["same_tokens"] for r in rows),
+            "floor_turn2_half": med("device_hit_s") <= 0.5 * med("cold_s")}
+
+
+def part_prefix448(engine, workload) -> dict:
+    ids = workload["prefill"]["ids"][:512]
+    other = ids[:448] + [(t + 7) % 49152 for t in ids[448:]]
+    out = {"cold_s": [], "hit_s": []}
+    for _ in range(3):
+        engine.block_manager.reset_prefix_cache()
+        out["cold_s"].append(ttft(engine, ids)[0])
+        engine.block_manager.reset_prefix_cache()
+        ttft(engine, other)
+        t, _, d = ttft(engine, ids)
+        out["hit_s"].append(t)
+        out["hit_tokens"] = d["prefix_cache_hits_total"]
+    out["cold_s"], out["hit_s"] = min(out["cold_s"]), min(out["hit_s"])
+    out["ratio"] = out["hit_s"] / out["cold_s"]
+    return out
+
+
+async def _serve(engine, tok, convs, args) -> dict:
+    from jaxinfer.config import SamplingParams
+    from jaxinfer.engine.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(engine)
+    sem = asyncio.Semaphore(args.concurrency)
+    sp = SamplingParams(temperature=0, max_tokens=args.reply_tokens)
+    ttft2, tokens = [], 0
+
+    async def turn(ids, rid):
+        t0, first = time.perf_counter(), None
+        async for out in aeng.generate(ids, sp, rid):
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+        return out, first
+
+    async def conv(i, c):
+        nonlocal tokens
+        async with sem:
+            o1, _ = await turn(chat_ids(tok, c[0]), f"c{i}t1")
+            o2, f2 = await turn(chat_ids(tok, c[0], o1.outputs[0].text, c[1]), f"c{i}t2")
+            ttft2.append(f2)
+            tokens += len(o1.outputs[0].token_ids) + len(o2.outputs[0].token_ids)
+
+    before = engine.stats()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conv(i, c) for i, c in enumerate(convs)))
+    wall = time.perf_counter() - t0
+    await aeng.shutdown()
+    st = engine.stats()
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+            "turn2_ttft_median_s": statistics.median(ttft2), "turn2_ttft_p90_s": sorted(ttft2)[int(0.9 * len(ttft2))],
+            "prompt_tokens_computed": st["prompt_tokens_total"] - before["prompt_tokens_total"],
+            "prefix_cache_hits": st["prefix_cache_hits_total"] - before["prefix_cache_hits_total"],
+            "prefix_cache_queries": st["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]}
+
+
+def main() -> None:
+    p = C.base_parser(__doc__)
+    p.add_argument("--parts", default="turn2,prefix448,serve")
+    p.add_argument("--conversations", type=int, default=8, help="turn-2 TTFT: conversations measured")
+    p.add_argument("--serve-conversations", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--reply-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--device-pages", type=int, default=160,
+                   help="device KV pages (small, so filler prompts push turn 1 to the host tier)")
+    p.add_argument("--host-pages", type=int, default=512)
+    p.add_argument("--compilation-cache", default="/tmp/jaxinfer-bench-xla")
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+
+    from jaxinfer import Engine
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(None)
+    tok = loaded.tokenizer
+    w = C.load_workload(args.workload)
+    res = {"machine": C.machine(), "args": vars(args)}
+    probe = Engine(loaded=loaded, progress=False, **engine_kw(args, num_pages=2, enable_prefix_caching=False))
+    host_bytes = args.host_pages * probe.kv_spec.bytes_per_page
+    del probe
+    eng = Engine(loaded=loaded, progress=False, **engine_kw(args, host_kv_cache_memory=host_bytes))
+    ttft(eng, chat_ids(tok, "warm up"), 2)
+    rows = [("machine", f"{res['machine']['cpu']}, {res['machine']['cores']} cores, {res['machine']['date']}, "
+                        f"load {res['machine']['load_avg_start']} (shared machine)")]
+    if "turn2" in parts:
+        convs, src = conversations(args.conversations)
+        r = res["turn2"] = part_turn2(eng, tok, convs, args)
+        r["source"] = src
+        rows += [("turn-2 TTFT cold / device hit / host hit",
+                  f"{r['cold_s'] * 1e3:.0f} / {r['device_hit_s'] * 1e3:.0f} / {r['host_hit_s'] * 1e3:.0f} ms "
+                  f"(median of {len(convs)}; {src})"),
+                 ("  ratios to cold", f"device {r['device_ratio']:.2f}x, host {r['host_ratio']:.2f}x "
+                                      f"(floor <= 0.5x: {'holds' if r['floor_turn2_half'] else 'FAILS'}); "
+                                      f"same tokens in all three: {r['all_same_tokens']}")]
+    if "prefix448" in parts:
+        r = res["prefix448"] = part_prefix448(eng, w)
+        rows.append(("512-token prompt, 448 cached", f"cold {r['cold_s'] * 1e3:.0f} ms, hit {r['hit_s'] * 1e3:.0f} ms "
+                     f"({r['ratio']:.2f}x; {r['hit_tokens']} tokens hit; best of 3; workload {w['source']})"))
+    if "serve" in parts:
+        convs, src = conversations(args.serve_conversations)
+        eng.block_manager.reset_prefix_cache()
+        on = asyncio.run(_serve(eng, tok, convs, args))
+        off_eng = Engine(loaded=loaded, progress=False, **engine_kw(args, enable_prefix_caching=False))
+        off = asyncio.run(_serve(off_eng, tok, convs, args))
+        res["serve"] = {"on": on, "off": off, "source": src}
+        for name, r in (("on", on), ("off", off)):
+            rows.append((f"serve 64 convs, cache {name}",
+                         f"{r['wall_s']:.1f} s, {r['output_tok_s']:.1f} out tok/s, turn-2 TTFT median "
+                         f"{r['turn2_ttft_median_s'] * 1e3:.0f} ms p90 {r['turn2_ttft_p90_s'] * 1e3:.0f} ms, "
+                         f"{r['prompt_tokens_computed']} prompt tokens computed, hits {r['prefix_cache_hits']}/"
+                         f"{r['prefix_cache_queries']}"))
+    res["load_avg_end"] = C.load_avg()
+    rows.append(("load average end", str(res["load_avg_end"])))
+    C.print_table(rows, "prefix caching (default model, float32)")
+    C.write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

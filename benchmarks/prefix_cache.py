@@ -4,13 +4,14 @@
    second user turn, through the chat template) in three states of one engine, same
    executables: cache off (the prefix cache emptied first, so the whole prompt is
    computed), device hit (turn 1 and its reply still on the device), host-tier hit (turn
-   1's pages pushed out of a small device cache to the host tier by filler prompts, then
-   copied back). Each state's first 8 tokens are compared: they must be equal.
+   1's pages pushed out of a small device cache (96 pages) to the host tier by two
+   900-token filler prompts, then copied back). Each state's first 8 tokens are compared: they must be equal.
 2. ``prefix448``: the workload's 512-token ``prefill`` prompt after another prompt with
    the same first 448 tokens: TTFT cold vs on a hit (28 of 32 pages cached).
 3. ``serve``: 64 two-turn conversations through AsyncEngine (the server's engine loop; no
-   HTTP), up to 16 at a time, each turn 2 sent when its turn 1 ends; cache on vs a second
-   engine with it off: wall time, turn-2 TTFT, tokens computed.
+   HTTP), up to 16 at a time, each turn 2 sent when its turn 1 ends; an engine with the
+   cache on vs one with it off (400 device pages each, no host tier): wall time, turn-2
+   TTFT, prompt tokens computed.
 
 MT-Bench comes from ../shared/data when present; otherwise conversations written here
 stand in (the report says so). vLLM is not run here (not installed on this machine).
@@ -93,17 +94,17 @@ def part_turn2(engine, tok, convs, args) -> dict:
     filler = [rng.integers(100, 49152, size=900).tolist() for _ in range(2)]
     rows = []
     for c in convs:
-        engine.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         t1 = chat_ids(tok, c[0])
         r = reply(engine, t1, args.reply_tokens)
         t2 = chat_ids(tok, c[0], r, c[1])
         dev, dev_tok, dev_d = ttft(engine, t2, 8)
-        engine.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         reply(engine, t1, args.reply_tokens)           # turn 1 cached again, then pushed to the host
         for f in filler:
             ttft(engine, f, 1)
         host, host_tok, host_d = ttft(engine, t2, 8)
-        engine.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         cold, cold_tok, cold_d = ttft(engine, t2, 8)
         rows.append({"prompt_tokens": len(t2), "turn1_tokens": len(t1), "cold_s": cold, "device_hit_s": dev,
                      "host_hit_s": host, "device_hit_tokens": dev_d["prefix_cache_hits_total"],
@@ -121,9 +122,9 @@ def part_prefix448(engine, workload) -> dict:
     other = ids[:448] + [(t + 7) % 49152 for t in ids[448:]]
     out = {"cold_s": [], "hit_s": []}
     for _ in range(3):
-        engine.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         out["cold_s"].append(ttft(engine, ids)[0])
-        engine.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         ttft(engine, other)
         t, _, d = ttft(engine, ids)
         out["hit_s"].append(t)
@@ -178,8 +179,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--reply-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--device-pages", type=int, default=160,
-                   help="device KV pages (small, so filler prompts push turn 1 to the host tier)")
+    p.add_argument("--device-pages", type=int, default=96,
+                   help="turn2/prefix448: device KV pages (few, so filler prompts push turn 1 to the host tier)")
+    p.add_argument("--serve-pages", type=int, default=400, help="serve: device KV pages")
     p.add_argument("--host-pages", type=int, default=512)
     p.add_argument("--compilation-cache", default="/tmp/jaxinfer-bench-xla")
     args = p.parse_args()
@@ -192,16 +194,19 @@ def main() -> None:
     tok = loaded.tokenizer
     w = C.load_workload(args.workload)
     res = {"machine": C.machine(), "args": vars(args)}
-    probe = Engine(loaded=loaded, progress=False, **engine_kw(args, num_pages=2, enable_prefix_caching=False))
-    host_bytes = args.host_pages * probe.kv_spec.bytes_per_page
-    del probe
-    eng = Engine(loaded=loaded, progress=False, **engine_kw(args, host_kv_cache_memory=host_bytes))
-    ttft(eng, chat_ids(tok, "warm up"), 2)
+    from jaxinfer.engine.kv_cache import KVCacheSpec
+
+    mc = loaded.config
+    page_bytes = KVCacheSpec(mc.num_layers, 2, 16, mc.num_kv_heads, mc.head_dim, "float32").bytes_per_page
     rows = [("machine", f"{res['machine']['cpu']}, {res['machine']['cores']} cores, {res['machine']['date']}, "
                         f"load {res['machine']['load_avg_start']} (shared machine)")]
+    if parts & {"turn2", "prefix448"}:
+        eng = Engine(loaded=loaded, progress=False, **engine_kw(args, host_kv_cache_memory=args.host_pages * page_bytes))
+        ttft(eng, chat_ids(tok, "warm up"), 2)
     if "turn2" in parts:
         convs, src = conversations(args.conversations)
         r = res["turn2"] = part_turn2(eng, tok, convs, args)
+        r["host_tier_pages"] = eng.stats()["host_cache_total_pages"]
         r["source"] = src
         rows += [("turn-2 TTFT cold / device hit / host hit",
                   f"{r['cold_s'] * 1e3:.0f} / {r['device_hit_s'] * 1e3:.0f} / {r['host_hit_s'] * 1e3:.0f} ms "
@@ -215,9 +220,12 @@ def main() -> None:
                      f"({r['ratio']:.2f}x; {r['hit_tokens']} tokens hit; best of 3; workload {w['source']})"))
     if "serve" in parts:
         convs, src = conversations(args.serve_conversations)
-        eng.block_manager.reset_prefix_cache()
-        on = asyncio.run(_serve(eng, tok, convs, args))
-        off_eng = Engine(loaded=loaded, progress=False, **engine_kw(args, enable_prefix_caching=False))
+        eng = None
+        on_eng = Engine(loaded=loaded, progress=False, **engine_kw(args, num_pages=args.serve_pages))
+        on = asyncio.run(_serve(on_eng, tok, convs, args))
+        del on_eng
+        off_eng = Engine(loaded=loaded, progress=False,
+                         **engine_kw(args, num_pages=args.serve_pages, enable_prefix_caching=False))
         off = asyncio.run(_serve(off_eng, tok, convs, args))
         res["serve"] = {"on": on, "off": off, "source": src}
         for name, r in (("on", on), ("off", off)):

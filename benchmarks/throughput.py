@@ -118,8 +118,7 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
     t0 = time.perf_counter()
     engine.generate([p[:40] for p in prompts[:6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     first = time.perf_counter() - t0
-    for rep in engine.replicas:       # the warm-up's pages must not be hits in the timed run
-        rep.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()       # the warm-up's pages must not be hits in the timed run
     steps0, host0, dev0 = engine.num_steps, engine.host_seconds, engine.device_seconds
     la0 = C.load_avg()
     steps_log, pending = [], []

@@ -377,7 +377,7 @@ def test_poisoning_a_cached_page_changes_the_output(engines):
     eng.runner.apply_page_ops([PageOp("poison", hit[1])], poison=True)
     got = eng.generate([prompt], sp)[0].outputs[0].token_ids
     assert got != want
-    eng.block_manager.reset_prefix_cache()                  # forget the poisoned page
+    eng.reset_prefix_cache()                                # forget the poisoned page
     assert eng.generate([prompt], sp)[0].outputs[0].token_ids == want
     assert_clean(eng)
 

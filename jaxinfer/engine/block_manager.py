@@ -244,6 +244,8 @@ class BlockManager:
             p, _ = self._evictable.popitem(last=False)
             self._unregister(p)
             self._free.append(p)
+            if self.record_freed:
+                self._ops.append(PageOp("poison", p))
         for p in list(self._page_hash):
             self._unregister(p)   # held pages stay held, just no longer findable
         self._num_registered.clear()

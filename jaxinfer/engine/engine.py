@@ -295,6 +295,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix page no request holds, device and host tier (vLLM's
+        ``LLM.reset_prefix_cache``): the next requests compute their prompts afresh."""
+        for rep in self.replicas:
+            rep.block_manager.reset_prefix_cache()
+
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> postprocess, on every replica (their device

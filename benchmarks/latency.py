@@ -121,8 +121,8 @@ def main() -> None:
 
     loaded = load_model(None)
     cfg = engine_config(args)
-    if args.compilation_cache:
-        cfg["compilation_cache_dir"] = args.compilation_cache
+    # None: no cache (the engine's default would make a rerun warm)
+    cfg["compilation_cache_dir"] = args.compilation_cache or None
     res["engine_config"] = cfg
     t0 = time.perf_counter()
     engine = Engine(loaded=loaded, progress=False, **cfg)

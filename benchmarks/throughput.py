@@ -184,9 +184,8 @@ def main() -> None:
     variants = [parse_variant(v.strip(), args.max_num_seqs) for v in args.variants.split(",") if v.strip()]
     for v in variants:
         v["config"]["num_scheduler_steps"] = args.num_scheduler_steps
-    for v in variants:
-        if args.compilation_cache:
-            v["config"]["compilation_cache_dir"] = args.compilation_cache
+    for v in variants:     # None: no cache (the engine's default would make a rerun warm)
+        v["config"]["compilation_cache_dir"] = args.compilation_cache or None
 
     from jaxinfer.loading import load_model
 

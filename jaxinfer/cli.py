@@ -29,7 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="BYTES",
+                   help="KV cache size, e.g. 536870912, 512M or 2G (default: what max-num-seqs "
+                        "sequences of max-model-len tokens need, up to 1 GiB on CPU)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting sequences before 503")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier requests' identical prefixes (on by default)")
@@ -41,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "nothing waits for a prefill (single device; outputs stream in runs)")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
+    p.add_argument("--warmup", choices=["full", "background", "lazy"], default=None,
+                   help="when step shapes compile: all before starting (full), those a first "
+                        "request needs then the rest in the background (serve's default), or "
+                        "the rest when first needed (lazy, generate's default)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of every matmul weight at load time")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
@@ -57,6 +63,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, default=None,
                    help="multi-host: this process's index (0 schedules and serves HTTP)")
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(s: str) -> int:
+    """Bytes: an integer, or one with a K/M/G/T suffix (powers of 1024; "KiB"/"KB" read alike)."""
+    t = s.strip().lower().removesuffix("ib").removesuffix("b")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in _UNITS else (t, "")
+    try:
+        v = float(num) * _UNITS[unit]
+    except ValueError:
+        v = 0
+    if not 1 <= v < 1 << 50:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 2G, got {s!r}")
+    return int(v)
 
 
 def _tp_size(s: str) -> int:
@@ -89,7 +111,7 @@ def init_distributed(args: argparse.Namespace) -> None:
                                process_id=args.process_id)
 
 
-def engine_config(args: argparse.Namespace, default_max_seqs: int):
+def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmup: str = "full"):
     from jaxinfer.config import EngineConfig
 
     return EngineConfig(
@@ -98,7 +120,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
         host_kv_cache_memory=args.host_kv_cache_memory,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, warmup=getattr(args, "warmup", None) or default_warmup,
         compilation_cache_dir=args.compilation_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
@@ -142,7 +164,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     init_distributed(args)
     t0 = time.perf_counter()
     print("loading model and compiling buckets ...", file=sys.stderr)
-    engine = Engine(args.model, config=engine_config(args, default_max_seqs=1), progress=True)
+    engine = Engine(args.model, config=engine_config(args, default_max_seqs=1, default_warmup="lazy"),
+                    progress=True)
     if engine.is_follower:
         engine.follow()
         return 0

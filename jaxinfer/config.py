@@ -382,6 +382,9 @@ def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:
     return () if x is None else tuple(x)
 
 
+DEFAULT_COMPILATION_CACHE = "~/.cache/jaxinfer/xla"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How the engine runs a model: KV cache size, batching limits, buckets, mesh.
@@ -412,7 +415,10 @@ class EngineConfig:
     # Tests: fill every page that loses its content (freed or evicted) with NaN / garbage
     # before the next step, so a read of a freed page shows in the outputs.
     debug_poison_freed_pages: bool = False
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    # JAX's persistent compilation cache: a later start loads the compiled steps from here
+    # instead of compiling them. None or "" turns it off; the default defers to a cache
+    # the process already configured (jax.config.jax_compilation_cache_dir).
+    compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE
     seed: int = 0                            # base of per-request seeds when none is given
     # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
     # tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.
@@ -433,6 +439,12 @@ class EngineConfig:
     # a step (~3 ms at batch 1 on CPU); outputs stream in runs of this many tokens. Same
     # tokens as 1 (tests/test_multi_step.py). Single device, one process.
     num_scheduler_steps: int = 1
+    # When the step shapes (buckets) compile (engine/warmup.py): "full" all of them before
+    # the engine returns; "background" those a first request needs, the rest in a thread
+    # while it serves (`jaxinfer serve`); "lazy" those a first request needs, any other when
+    # a step first needs it (one-shot runs: `jaxinfer generate`). Once warm (all compiled,
+    # never for "lazy") no step compiles.
+    warmup: str = "full"
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape
@@ -453,6 +465,8 @@ class EngineConfig:
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")
+        _require(self.warmup in ("full", "background", "lazy"), "warmup",
+                 f"must be 'full', 'background' or 'lazy', got {self.warmup!r}")
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",

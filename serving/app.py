@@ -581,7 +581,14 @@ async def health(request: Request, st: ServerState) -> Response:
     elif not e.is_ready:
         status = "warming_up"
     else:
-        return json_response({"status": "ok"})
+        # Serving. "warming": some step shapes still compile in the background (a request
+        # may wait for one); "ready": all compiled.
+        get = getattr(e, "warmup_status", None)
+        w = get() if get is not None else None
+        if w and not w.get("warm", True):
+            return json_response({"status": "warming", "buckets_compiled": w["buckets_compiled"],
+                                  "buckets_total": w["buckets_total"]})
+        return json_response({"status": "ready"})
     return json_response({"status": status}, 503)   # why it failed: the server log
 
 

@@ -55,6 +55,9 @@ _ENGINE_METRICS = (
     ("prefix_cache_pages", "prefix_cache_pages", "KV pages held by the prefix cache on the device.", "gauge"),
     ("host_cache_pages", "host_prefix_cache_pages", "KV pages held by the host-memory tier.", "gauge"),
     ("host_cache_total_pages", "host_prefix_cache_total_pages", "Host-memory tier capacity, in pages.", "gauge"),
+    ("buckets_compiled", "compiled_buckets", "Step shapes compiled so far (the rest compile in the "
+     "background after start-up).", "gauge"),
+    ("buckets_total", "buckets", "Step shapes the engine compiles in all.", "gauge"),
 )
 
 
@@ -84,6 +87,13 @@ class _EngineCollector:
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             fam = cls(PREFIX + name, doc, labels=["model_name"])
             fam.add_metric(label, float(stats[key]))
+            yield fam
+        kernels = stats.get("kernels") or {}
+        if kernels:
+            fam = GaugeMetricFamily(PREFIX + "kernel_info", "The implementation serving each kind of op "
+                                    "(1 per op).", labels=["model_name", "op", "implementation"])
+            for op, impl in sorted(kernels.items()):
+                fam.add_metric(label + [str(op), str(impl)], 1.0)
             yield fam
 
 

@@ -105,9 +105,12 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
 
         t0 = time.perf_counter()
         print("jaxinfer: loading model and compiling buckets ...", file=sys.stderr, flush=True)
-        engine = Engine(args.model, config=engine_config(args, default_max_seqs=DEFAULT_SERVE_MAX_SEQS),
-                        progress=True)
-        print(f"jaxinfer: engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        engine = Engine(args.model, config=engine_config(args, default_max_seqs=DEFAULT_SERVE_MAX_SEQS,
+                                                         default_warmup="background"), progress=True)
+        w = engine.warmup_status()
+        rest = "" if w["warm"] else (f"; {w['buckets_total'] - w['buckets_compiled']} more step shapes "
+                                     "compile in the background (/health: warming)")
+        print(f"jaxinfer: engine ready in {time.perf_counter() - t0:.1f}s{rest}", file=sys.stderr, flush=True)
         return AsyncEngine(engine)
 
     return load

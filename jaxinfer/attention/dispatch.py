@@ -108,6 +108,21 @@ def select_matmul(batch_invariant: bool, backend: str | None = None,
     return mm
 
 
+def matmul_name(quantization: str | None, dtype: Any, backend: str | None = None) -> str:
+    """Which implementation serves a model's weight matmuls (Engine.kernels, /metrics):
+    the same choice as layers.float_matmul / quantized_matmul and select_matmul."""
+    backend = backend or jax.default_backend()
+    if backend in ("tpu", "gpu"):
+        return "pallas" if quantization else "xla"
+    if backend == "cpu" and quantization == "int8":
+        from pallas_kernels import cpu_matmul
+        return "cpp-int8" if cpu_matmul.available() else "xla"
+    if backend == "cpu" and quantization is None and jnp.dtype(dtype) == jnp.float32:
+        from pallas_kernels import cpu_f32_matmul
+        return "cpp-f32" if cpu_f32_matmul.available() else "xla"
+    return "xla"
+
+
 def pack_for_backend(w, backend: str | None = None):
     """A freshly quantized weight in the layout its backend's kernel reads fastest (the
     CPU kernel's packed panels for int8 on CPU; otherwise unchanged)."""

@@ -119,6 +119,11 @@ class AsyncEngine:
         # Reads plain ints/floats; a slightly stale snapshot is fine for metrics.
         return self.engine.stats()
 
+    def warmup_status(self) -> dict[str, Any] | None:
+        """The engine's bucket compilation progress (Engine.warmup_status), for /health."""
+        get = getattr(self.engine, "warmup_status", None)
+        return get() if get is not None else None
+
     async def shutdown(self) -> None:
         with self._wake:
             self._stopping = True

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
@@ -88,9 +88,20 @@ class BucketLadders:
                 itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)}
         return sorted(out)
 
-    def choose(self, num_decode: int, chunks: Seq[int], max_pages: int) -> Bucket:
+    def choose(self, num_decode: int, chunks: Seq[int], max_pages: int,
+               ready: Callable[[Bucket], bool] | None = None) -> Bucket:
         """The cheapest bucket holding the step (fewest token positions, then fewest
-        slots), or ValueError (a scheduler bug)."""
+        slots), or ValueError (a scheduler bug). ``ready``: while buckets still compile in
+        the background, the cheapest compiled bucket that holds the step instead (the
+        tokens do not depend on the bucket: batch invariance); the ideal one when none
+        is compiled yet (the caller then waits for it)."""
+        best = self._choose(num_decode, chunks, max_pages)
+        if ready is None or ready(best):
+            return best
+        fits = [b for b in self.all_buckets() if ready(b) and holds(b, num_decode, chunks, max_pages)]
+        return min(fits, key=lambda b: (b.num_tokens, b.num_seqs), default=best)
+
+    def _choose(self, num_decode: int, chunks: Seq[int], max_pages: int) -> Bucket:
         pages = _ceil_in(self.page_sizes, max_pages, "pages per sequence")
         if not chunks:
             if num_decode <= self.decode_sizes[-1]:
@@ -104,6 +115,16 @@ class BucketLadders:
                              f"(up to {max(chunks)} each)")
         d = _ceil_in(self.mixed_decode_sizes, num_decode, "decode slots")
         return Bucket.of(d, best[0], best[1], pages)
+
+
+def holds(b: Bucket, num_decode: int, chunks: Seq[int], max_pages: int) -> bool:
+    """Bucket ``b`` can carry a step of ``num_decode`` decodes and these prefill chunks
+    (unused slots are padding, as in any step that does not fill its bucket)."""
+    if b.max_pages < max_pages or b.num_decode < num_decode:
+        return False
+    if not chunks:
+        return True
+    return b.num_prefill > 0 and pieces(chunks, b.prefill_chunk) <= b.num_prefill
 
 
 def pieces(chunks: Seq[int], chunk: int) -> int:
@@ -161,14 +182,16 @@ class StepBatch:
 
 
 def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
-               rows_of: dict[int, int], lookahead: int = 0) -> StepBatch:
+               rows_of: dict[int, int], lookahead: int = 0,
+               ready: Callable[[Bucket], bool] | None = None) -> StepBatch:
     """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
     ``lookahead``: the page table also covers this many positions past each chunk (a
-    multi-step decode writes them on the device; their pages are already allocated)."""
+    multi-step decode writes them on the device; their pages are already allocated).
+    ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
     decodes = [e for e in scheduled if e.num_new_tokens == 1]
     prefills = [e for e in scheduled if e.num_new_tokens > 1]
     max_pages = max(-(-(e.start_pos + e.num_new_tokens + lookahead) // page_size) for e in scheduled)
-    b = ladders.choose(len(decodes), [e.num_new_tokens for e in prefills], max_pages)
+    b = ladders.choose(len(decodes), [e.num_new_tokens for e in prefills], max_pages, ready)
     T, S, P = b.num_tokens, b.num_seqs, b.max_pages
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)

@@ -23,6 +23,7 @@ from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, RequestMet
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.memory import available_ram, release_host_memory
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, make_sequences
 from jaxinfer.reference import derive_seed
@@ -87,8 +88,7 @@ class Engine:
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
+        _use_compilation_cache(config.compilation_cache_dir)
         if config.tensor_parallel_size == 0:
             config = self.config = _resolve_auto_tp(config, loaded.config if loaded else None, model)
             if config.quantization and config.tensor_parallel_size > 1:     # re-check, now known
@@ -100,7 +100,8 @@ class Engine:
         self.loaded = loaded
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.model_name = model or os.path.basename(self.loaded.source)
+        from jaxinfer.loading.default import model_name
+        self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
         from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
@@ -108,13 +109,18 @@ class Engine:
         models = [quantize_model(m, config.quantization) for m in _place_replicas(loaded, meshes)]
         if not config.quantization and not meshes:
             models = [prepare_float_for_cpu(m) for m in models]
-        # keep the quantized model, not the float one (the caller's LoadedModel is untouched)
+        # keep the quantized model, not the float one (the caller's LoadedModel is untouched);
+        # a float model this engine loaded itself is garbage from here, not kept through warm-up
         self.loaded = dataclasses.replace(loaded, model=models[0])
+        del loaded
+        release_host_memory()
         run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it
         # KV pages in the model's dtype, or int8 values with per-token scales
         dtype = "int8" if config.kv_cache_dtype == "int8" else self.loaded.model.dtype
         probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, run_cfg.num_kv_heads, mc.head_dim, dtype)
-        num_pages = config.num_pages or max(2, kv_budget(config) // probe.bytes_per_page)
+        need = config.max_num_seqs * -(-self.max_model_len // config.page_size) + 1   # + the padding page
+        num_pages = config.num_pages or max(2, kv_budget(config, need * probe.bytes_per_page)
+                                            // probe.bytes_per_page)
         self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,
                                        mc.head_dim, dtype)
         self.ladders = self._ladders()
@@ -180,6 +186,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Release follower processes (multi-process engines); harmless otherwise."""
+        self.compiler.stop()
         if self.publisher is not None:
             self.publisher.stop()
             self.publisher = None
@@ -194,19 +201,50 @@ class Engine:
                              c.page_buckets or auto.page_sizes)
 
     def _warmup(self, progress: bool) -> float:
-        buckets = self.ladders.all_buckets()
-        bar = None
+        """Compile the buckets a first request needs, then the rest: here, or in a
+        background thread while the engine serves, or when a step first needs them
+        (``EngineConfig.warmup``; engine/warmup.py). Returns the seconds spent compiling
+        before the engine can serve."""
+        from jaxinfer.engine.warmup import BucketCompiler
+
+        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
+        mode = self.config.warmup if _num_processes() == 1 else "full"   # followers replay any bucket
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(buckets) * len(self.replicas), desc="compiling buckets", unit="bucket",
-                       leave=False)
-        secs = 0.0
-        for rep in self.replicas:
-            secs += rep.runner.compile_all(buckets, (lambda i, n, b: bar.update(1)) if bar else None)
-        if bar:
-            bar.close()
-        log.info("compiled %d buckets in %.1fs", len(buckets), secs)
-        return secs
+            bar = tqdm(total=self.compiler.first_total if mode == "lazy" else self.compiler.total,
+                       desc="compiling buckets", unit="bucket", leave=False)
+
+            def show(done: int, total: int) -> None:
+                bar.n = min(done, bar.total)
+                bar.refresh()
+                if bar.n == bar.total:
+                    bar.close()
+                    self.compiler.progress = None
+
+            self.compiler.progress = show
+        self.compiler.compile_first()
+        if mode == "background":
+            self.compiler.start()
+            log.info("ready after %.1fs of compiling; %d more buckets compile in the background",
+                     self.compiler.seconds, self.compiler.total - self.compiler.num_compiled)
+        elif mode == "full":
+            self.compiler.compile_rest()
+            if self.compiler.error is not None:
+                raise self.compiler.error
+        return self.compiler.seconds
+
+    @property
+    def is_warm(self) -> bool:
+        """Every bucket is compiled: from now on no step compiles anything."""
+        return self.compiler.is_warm
+
+    def wait_until_warm(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is compiled (``warmup="background"``); True if warm."""
+        return self.compiler.wait(timeout)
+
+    def warmup_status(self) -> dict[str, Any]:
+        """{"warm": bool, "buckets_compiled": int, "buckets_total": int}."""
+        return self.compiler.status()
 
     # ---- requests -----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -328,7 +366,7 @@ class Engine:
                 req = self._requests[e.seq.request_id]
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
-            batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows)
+            batch = self._build(rep, sched)
             t = self._sampling_tensors(batch)
             pending.append((rep, sched, batch, rep.runner.dispatch(batch, t, self._token_mask(batch))))
         if not pending:
@@ -347,11 +385,22 @@ class Engine:
         self.device_seconds += t2 - t1
         return outs
 
+    def _build(self, rep: "_Replica", sched: SchedulerOutput, lookahead: int = 0) -> Any:
+        """The step's batch; while buckets still compile, in a compiled bucket that holds
+        it, else in its own bucket compiled now (engine/warmup.py). A multi-step decode
+        (``lookahead``) needs its own bucket's multi-step executable."""
+        if self.compiler.is_warm:
+            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead)
+        ready = None if lookahead else rep.runner.is_compiled
+        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready)
+        self.compiler.ensure(rep.runner, batch.bucket)
+        return batch
+
     def _multi_step(self, rep: "_Replica", sched: SchedulerOutput, k: int, t0: float) -> list[RequestOutput]:
         """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each
         step's tokens postprocessed in order, exactly as ``k`` single steps would be; a
         sequence that stops early drops the tokens it sampled after that."""
-        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead=k - 1)
+        batch = self._build(rep, sched, lookahead=k - 1)
         t = self._sampling_tensors(batch)
         handle = rep.runner.dispatch_multi(batch, t, k)
         t1 = time.perf_counter()
@@ -525,7 +574,17 @@ class Engine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
             **self._prefix_cache_stats(),
+            **self.warmup_status(),
+            "kernels": self.kernels(),
         }
+
+    def kernels(self) -> dict[str, str]:
+        """The implementation serving each kind of op: {"attention": "cpp" | "xla" |
+        "pallas-tpu" | ..., "matmul": "cpp-f32" | "cpp-int8" | "xla" | "pallas"}."""
+        from jaxinfer.attention.dispatch import matmul_name
+
+        return {"attention": self.runner.attention_name,
+                "matmul": matmul_name(self.config.quantization, self.loaded.model.dtype)}
 
     def _prefix_cache_stats(self) -> dict[str, int]:
         keys = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_host_hits_total",
@@ -657,9 +716,12 @@ def host_kv_pages(config: EngineConfig, bytes_per_page: int, num_replicas: int) 
     return mem // num_replicas // bytes_per_page
 
 
-def kv_budget(config: EngineConfig) -> int:
+def kv_budget(config: EngineConfig, need: int | None = None) -> int:
     """Bytes for the KV pages: the configured size, or a fraction of the device's free
-    memory where the backend reports it (weights are already resident), else a default."""
+    memory where the backend reports it (weights are already resident), else (CPU) what
+    the configuration can use (``need``: every sequence at max_model_len) capped by
+    DEFAULT_KV_CACHE_MEMORY and half the RAM available now: the pool is resident from the
+    start (zero-filled), so a one-sequence engine should not hold a pool for 64."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
     import jax
@@ -671,7 +733,30 @@ def kv_budget(config: EngineConfig) -> int:
         log.info("KV cache: %.2f GiB (%.0f%% of free device memory)", budget / 2**30,
                  100 * config.kv_cache_memory_fraction)
         return budget
-    return EngineConfig.DEFAULT_KV_CACHE_MEMORY
+    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
+    ram = available_ram()
+    if ram:
+        cap = min(cap, ram // 2)
+    budget = min(need, cap) if need else cap
+    log.info("KV cache: %.0f MiB (%s)", budget / 2**20,
+             "all sequences at max_model_len" if need and need <= cap else "capped; --kv-cache-memory sets it")
+    return budget
+
+
+def _use_compilation_cache(path: str | None) -> None:
+    """EngineConfig.compilation_cache_dir: on by default, in the documented location unless
+    the process already chose one (tests, an embedding application); None / "" = off."""
+    from jaxinfer.config import DEFAULT_COMPILATION_CACHE
+
+    if not path or (path == DEFAULT_COMPILATION_CACHE and _configured_cache_dir()):
+        return
+    enable_compilation_cache(os.path.expanduser(path))
+
+
+def _configured_cache_dir() -> str | None:
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
 
 
 def enable_compilation_cache(path: str) -> None:

@@ -231,6 +231,8 @@ class ModelRunner:
         self.samplers: dict[int, Any] = {}
         self._empty_masks: dict[int, S.TokenMask] = {}
         self.compile_seconds = 0.0
+        self._kv_pen_abstract = None
+        self._abstract_args(Bucket.of(1, 0, 0, 1))
         self.last_logits: jax.Array | None = None
         self.page_mover: Any = None       # kv_offload.PageMover, with a host tier or poisoning
 
@@ -268,35 +270,52 @@ class ModelRunner:
                   "token_is_output": host(T, bool)}
         t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
         t = jax.tree.map(lambda x: self._abstract(x, rep), t)
-        return ([self._abstract(x) for x in self.state_leaves], jax.tree.map(self._abstract, self.kv),
-                jax.tree.map(self._abstract, self.pen), arrays, t)
+        if self._kv_pen_abstract is None:
+            # Once, from the arrays as allocated: a background compile must not read
+            # self.kv / self.pen while a step is donating them.
+            self._kv_pen_abstract = (jax.tree.map(self._abstract, self.kv), jax.tree.map(self._abstract, self.pen))
+        kv, pen = self._kv_pen_abstract
+        return [self._abstract(x) for x in self.state_leaves], kv, pen, arrays, t
 
     def compile_all(self, buckets: list[Bucket], progress: Callable[[int, int, Bucket], None] | None = None) -> float:
         """AOT-compile one executable per bucket; returns the seconds it took."""
         t0 = time.perf_counter()
         for i, b in enumerate(buckets):
-            if b not in self.executables:
-                args = self._abstract_args(b)
-                self.executables[b] = self._forward.lower(*args, bucket=b).compile(self.compiler_options)
-            if b.sample_rows not in self.samplers:
-                _, _, pen, _, t = self._abstract_args(b)
-                one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
-                pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
-                logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
-                rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
-                mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
-                self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile()
-            if self.num_scheduler_steps > 1 and b.num_prefill == 0 and b not in self.multi_executables:
-                state, kv, pen, arrays, t = self._abstract_args(b)
-                scalar = jax.ShapeDtypeStruct((), np.int32)
-                rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
-                self.multi_executables[b] = self._multi.lower(
-                    state, kv, pen, arrays, t, scalar, rows, bucket=b,
-                    max_steps=self.num_scheduler_steps).compile(self.compiler_options)
+            self.compile_bucket(b)
             if progress:
                 progress(i + 1, len(buckets), b)
-        self.compile_seconds += time.perf_counter() - t0
         return time.perf_counter() - t0
+
+    def is_compiled(self, b: Bucket) -> bool:
+        """Every executable a step in ``b`` may call is there (read by the batch builder
+        while a background thread compiles: each is stored once it is complete)."""
+        return b in self.executables and b.sample_rows in self.samplers and (
+            self.num_scheduler_steps == 1 or b.num_prefill > 0 or b in self.multi_executables)
+
+    def compile_bucket(self, b: Bucket) -> None:
+        """Compile what a step in bucket ``b`` needs and is not there yet: its forward, the
+        sampler of its width, and (multi-step engines, decode-only buckets) its multi-step
+        executable. Callers serialize calls (engine/warmup.py holds one lock)."""
+        t0 = time.perf_counter()
+        if b not in self.executables:
+            args = self._abstract_args(b)
+            self.executables[b] = self._forward.lower(*args, bucket=b).compile(self.compiler_options)
+        if b.sample_rows not in self.samplers:
+            _, _, pen, _, t = self._abstract_args(b)
+            one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
+            pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
+            logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
+            rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
+            mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
+            self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile()
+        if self.num_scheduler_steps > 1 and b.num_prefill == 0 and b not in self.multi_executables:
+            state, kv, pen, arrays, t = self._abstract_args(b)
+            scalar = jax.ShapeDtypeStruct((), np.int32)
+            rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
+            self.multi_executables[b] = self._multi.lower(
+                state, kv, pen, arrays, t, scalar, rows, bucket=b,
+                max_steps=self.num_scheduler_steps).compile(self.compiler_options)
+        self.compile_seconds += time.perf_counter() - t0
 
     def execute(self, batch: StepBatch, t: S.SamplingTensors) -> np.ndarray:
         """Run one step; returns the packed sampler output (host numpy, i32[S, 2 + 2K])."""

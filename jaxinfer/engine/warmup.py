@@ -1,0 +1,133 @@
+"""Bucket compilation at start-up: the buckets a first request needs now, the rest in a
+background thread while the engine already serves, or when a step first needs them
+(``EngineConfig.warmup``: "background" / "lazy"; "full" compiles all before serving).
+
+Every bucket of every replica is compiled exactly once, in priority order
+(``priority_order``). Until all are compiled a step uses the cheapest compiled bucket that
+holds it (``BucketLadders.choose(ready=...)``; the tokens are the same in any bucket), or,
+when none does, compiles its own bucket first (``ensure``). One lock serializes compiles,
+so a bucket the step needs and the background thread's current one are never compiled
+twice. Once ``is_warm`` is True nothing compiles again: every bucket is there, and a step
+only calls executables (the invariant tests/test_warmup.py asserts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from jaxinfer.engine.batch import Bucket, BucketLadders
+
+log = logging.getLogger("jaxinfer")
+
+
+def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
+    """(first, rest): ``first`` is what a lone first request needs — the smallest decode
+    bucket and one single-slot prefill bucket with no decode slots (chunk >= 128 where the
+    ladder has one, so a typical chat prompt prefills in one step); both share the
+    one-row sampler. ``rest``: every other bucket, cheapest first (small batches come
+    before large ones as traffic grows)."""
+    every = ladders.all_buckets()
+    decode = [b for b in every if b.num_prefill == 0]
+    single = [b for b in every if b.num_decode == 0 and b.num_prefill == 1]
+    first = [min(decode)] if decode else []
+    if single:
+        big = [b for b in single if b.prefill_chunk >= 128]
+        first.append(min(big) if big else max(single))
+    elif every:
+        first.append(min(b for b in every if b.num_prefill > 0))
+    first = sorted(set(first))
+    return first, [b for b in every if b not in first]
+
+
+class BucketCompiler:
+    """Compiles ``buckets`` on each runner (one per data-parallel replica)."""
+
+    def __init__(self, runners: list[Any], ladders: BucketLadders):
+        self.runners = runners
+        self.first, self.rest = priority_order(ladders)
+        self.first_total = len(self.first) * len(runners)
+        self.total = (len(self.first) + len(self.rest)) * len(runners)
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        # called with (buckets compiled, total) after each compile (a progress bar)
+        self.progress: Callable[[int, int], None] | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_compiled(self) -> int:
+        buckets = self.first + self.rest
+        return sum(r.is_compiled(b) for r in self.runners for b in buckets)
+
+    @property
+    def is_warm(self) -> bool:
+        return self._done.is_set()
+
+    def status(self) -> dict[str, Any]:
+        return {"warm": self.is_warm, "buckets_compiled": self.num_compiled, "buckets_total": self.total}
+
+    def _compile(self, runner: Any, b: Bucket) -> None:
+        with self._lock:
+            if runner.is_compiled(b):
+                return
+            t0 = time.perf_counter()
+            runner.compile_bucket(b)
+            self.seconds += time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(self.num_compiled, self.total)
+
+    def compile_first(self) -> None:
+        """The buckets a first request needs, now (in the caller's thread)."""
+        for r in self.runners:
+            for b in self.first:
+                self._compile(r, b)
+
+    def compile_rest(self) -> None:
+        """Every other bucket, in the caller's thread; then the engine is warm."""
+        try:
+            for r in self.runners:
+                for b in self.rest:
+                    if self._stop:
+                        return
+                    self._compile(r, b)
+        except BaseException as e:   # noqa: BLE001 - reported by ensure() and the log
+            self.error = e
+            log.exception("compiling buckets failed")
+            return
+        self._done.set()
+        log.info("warm: %d buckets compiled in %.1fs", self.total, self.seconds)
+
+    def start(self) -> None:
+        """``compile_rest`` in a daemon thread (the caller serves meanwhile)."""
+        self._thread = threading.Thread(target=self.compile_rest, name="jaxinfer-compile", daemon=True)
+        self._thread.start()
+
+    def ensure(self, runner: Any, b: Bucket) -> None:
+        """Called by a step about to run in ``b``: compile it now if it is not there yet
+        (after the background thread's current bucket, which holds the lock)."""
+        if not runner.is_compiled(b):
+            self._compile(runner, b)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is compiled (or ``timeout`` seconds); True if warm.
+        Raises the background thread's error, if it died."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.1):
+            if self.error is not None:
+                raise RuntimeError(f"background compilation failed: {self.error!r}") from self.error
+            if self._thread is None or not self._thread.is_alive():
+                return self.is_warm
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
+
+    def stop(self) -> None:
+        """Stop after the bucket being compiled (engine shutdown, interpreter exit)."""
+        self._stop = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()

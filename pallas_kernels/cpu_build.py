@@ -15,6 +15,7 @@ fails the check is rebuilt over; a directory that fails it makes the kernel unav
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import logging
@@ -24,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -85,9 +87,33 @@ def _trusted_library(path: Path) -> bool:
     return True
 
 
+_pending: dict[Path, concurrent.futures.Future] = {}
+_pending_lock = threading.Lock()
+
+
+def build_all_in_background() -> None:
+    """Start compiling every kernel here (cpu/*.cc) in threads, one compiler process each:
+    a first start then builds them side by side while the model loads, instead of one
+    after another as each is first used (each takes seconds). ``build`` waits for them."""
+    with _pending_lock:
+        todo = [s for s in sorted(SOURCE_DIR.glob("*.cc")) if s not in _pending]
+        if not todo:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="jaxinfer-kernel-build")
+        for src in todo:
+            _pending[src] = pool.submit(_build, src)
+        pool.shutdown(wait=False)
+
+
 def build(source: Path) -> Path:
     """Compile ``source`` (or find it in the cache) -> path of the shared library.
     Raises RuntimeError naming what failed."""
+    with _pending_lock:
+        fut = _pending.pop(source, None)      # once: later calls see the cache (or a new one)
+    return fut.result() if fut is not None else _build(source)
+
+
+def _build(source: Path) -> Path:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
@@ -148,3 +174,5 @@ class Kernel:
     def reset(self) -> None:
         """Forget the outcome (tests: retry after changing $CXX or the cache)."""
         self._ok, self._reason, self._lib = None, "", None
+        with _pending_lock:
+            _pending.pop(self.source, None)

@@ -95,6 +95,7 @@ class Engine:
                 config = self.config = dataclasses.replace(config, tensor_parallel_size=1)
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = _replica_meshes(config)
+        _start_kernel_builds()
         if loaded is None:
             loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
         self.loaded = loaded
@@ -741,6 +742,15 @@ def kv_budget(config: EngineConfig, need: int | None = None) -> int:
     log.info("KV cache: %.0f MiB (%s)", budget / 2**20,
              "all sequences at max_model_len" if need and need <= cap else "capped; --kv-cache-memory sets it")
     return budget
+
+
+def _start_kernel_builds() -> None:
+    """On CPU, compile the C++ kernels (pallas_kernels/cpu_build.py) while the model loads."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        from pallas_kernels import cpu_build
+        cpu_build.build_all_in_background()
 
 
 def _use_compilation_cache(path: str | None) -> None:

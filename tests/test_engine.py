@@ -8,9 +8,7 @@ own features (n > 1, stop strings, penalties, logprobs, abort, limits) on a tiny
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import pathlib
 
 import jax
 import numpy as np
@@ -23,8 +21,7 @@ from jaxinfer.errors import QueueFullError
 from jaxinfer.loading import LoadedModel, load_model
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.reference import ReferenceGenerator
-
-DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+from prompt_data import BUILTIN_QUESTIONS, mt_bench_turns, questions
 
 
 class CompileCounter:
@@ -93,13 +90,9 @@ def drain(engine: Engine, ids: list[str]):
 
 
 def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
-    path = DATA / "mt_bench_questions.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines()[:n]:
-            q = json.loads(line)
-            out.append(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
-    return out
+    """The first ``n`` MT-Bench questions (../shared/data), chat-templated; on a plain clone
+    without that data, the project's own questions (tests/prompt_data.py)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions()[:n]]
 
 
 # Four buckets (decode 1 / 8 slots, prefill-only and mixed 8 + prefill) keep compile time
@@ -121,7 +114,7 @@ def test_default_model_token_exact_under_batching(default_loaded):
     tok = default_loaded.tokenizer
     rng = np.random.RandomState(0)
     prompts = mt_bench_prompts(tok, 20)
-    text = (DATA / "mt_bench_questions.jsonl").read_text() if DATA.exists() else "lorem ipsum " * 400
+    text = "\n".join(mt_bench_turns() or BUILTIN_QUESTIONS)      # plain clone: our own questions
     while len(prompts) < 36:
         n = int(rng.choice([3, 9, 40, 120, 200, 300]))
         start = int(rng.randint(0, 2000))
@@ -133,9 +126,9 @@ def test_default_model_token_exact_under_batching(default_loaded):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
     dispatch, prefills_per_step = eng.runner.dispatch, []
 
-    def counting_dispatch(batch, t):
+    def counting_dispatch(batch, *rest):
         prefills_per_step.append(sum(e.num_new_tokens > 1 for _, e in batch.entries))
-        return dispatch(batch, t)
+        return dispatch(batch, *rest)
 
     eng.runner.dispatch = counting_dispatch
     outs, compiles = run_with_arrivals(eng, prompts, params, rng, "r", max_per_step=3)

@@ -133,9 +133,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], 
                          SamplingParams(temperature=0.9, top_p=0.9, max_tokens=n, seed=i, ignore_eos=True)))
     dispatch, chunks = engine.runner.dispatch, [0]
 
-    def counting_dispatch(batch, t):
+    def counting_dispatch(batch, *rest):
         chunks.append(sum(e.num_new_tokens > 1 for _, e in batch.entries))
-        return dispatch(batch, t)
+        return dispatch(batch, *rest)
 
     engine.runner.dispatch = counting_dispatch
     pre0 = engine.stats()["num_preemptions_total"]

@@ -28,8 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 from jaxinfer.loading.gguf import load_gguf, open_gguf  # noqa: E402
 from jaxinfer.loading.tokenizer import Tokenizer  # noqa: E402
+from prompt_data import BUILTIN_QUESTIONS, mt_bench_turns  # noqa: E402
 
-MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 
 HANDWRITTEN = [
     "", " ", "  ", "\t", "\n", "\r\n", "\n\n\n", " \n ", "a", "A", "hello", " hello", "hello ",
@@ -61,12 +61,12 @@ HANDWRITTEN = [
 ]
 
 
-def _corpus() -> list[str]:
+def _corpus(directory: Path | None = None) -> list[str]:
     texts = list(HANDWRITTEN)
-    if MT_BENCH.is_file():
-        for line in MT_BENCH.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                texts += json.loads(line)["turns"]
+    # MT-Bench's turns from ../shared/data; a plain clone has none: the project's own
+    # questions (tests/prompt_data.py) instead.
+    turns = mt_bench_turns(directory)
+    texts += turns if turns is not None else BUILTIN_QUESTIONS
     # Variants that stress boundary handling: leading/trailing space and newline.
     base = list(texts)
     texts += [" " + t for t in base[:60]] + [t + "\n" for t in base[:60]]
@@ -122,6 +122,9 @@ def test_transformers_gguf_differs_only_on_numbers(ours, hf_gguf):
 @pytest.mark.slow
 def test_corpus_is_big_enough():
     assert len(CORPUS) >= 250, len(CORPUS)
+    # and on a plain clone, without ../shared/data
+    plain = _corpus(Path("/nonexistent-shared-data"))
+    assert len(plain) >= 250 and set(BUILTIN_QUESTIONS) <= set(plain), len(plain)
 
 
 @pytest.mark.slow

@@ -3,13 +3,14 @@
 * decode ms/step at batch 1 and 32: every sequence generates exactly ``--tokens`` tokens,
   unconstrained (``ignore_eos``) or constrained by a JSON schema whose ``minItems`` keeps it
   going past ``--tokens`` (so neither batch shrinks); prompts: the project's own, repeated.
-  Only steps in which every running sequence decodes are timed. The ratio
-  constrained / unconstrained per batch size is the figure (floor: <= 1.15 at batch 32).
+  Only steps in which every running sequence decodes are timed (median per run); plain and
+  constrained runs alternate ``--repeats`` times. The ratio of the medians, constrained /
+  unconstrained, per batch size is the figure (floor: <= 1.15 at batch 32).
 * the grammar library's compile time per schema: the 54 schemas of tests/guided_schemas.py,
   each compiled fresh (matcher built and its first mask computed, which is when llguidance
   builds its lexer), median and max.
 
-    python benchmarks/guided.py [--tokens 48] [--batches 1,32] [--out /tmp/guided.json]
+    python benchmarks/guided.py [--tokens 48] [--batches 1,32] [--repeats 3] [--out /tmp/guided.json]
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
     p = C.base_parser(__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batches", default="1,32")
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
@@ -89,11 +91,14 @@ def main() -> None:
     guided = plain.replace(guided={"json": SCHEMA})
     decode_ms_per_step(eng, 1, guided)                     # warm the grammar cache and the path
     for b in batches:
-        row = {}
-        for name, params in (("plain", plain), ("json_schema", guided), ("plain_again", plain)):
-            row[name], row[name + "_steps"] = decode_ms_per_step(eng, b, params)
-        base = (row["plain"] + row["plain_again"]) / 2
-        row["ratio"] = row["json_schema"] / base
+        # plain and constrained runs alternate, so drift on a shared machine hits both alike
+        runs: dict[str, list[float]] = {"plain": [], "json_schema": []}
+        for _ in range(args.repeats):
+            for name, params in (("plain", plain), ("json_schema", guided)):
+                runs[name].append(decode_ms_per_step(eng, b, params)[0])
+        row = {k + "_ms_per_step": statistics.median(v) for k, v in runs.items()}
+        row["runs"] = runs
+        row["ratio"] = row["json_schema_ms_per_step"] / row["plain_ms_per_step"]
         res[f"batch_{b}"] = row
         print(b, json.dumps(row), flush=True)
     C.write_json(args.out, res)

@@ -161,6 +161,10 @@ class GrammarCompiler:
         if err:
             raise GuidedDecodingError(f"guided.{spec.kind}: {err}")
         m = LLMatcher(self.lltok, g, log_level=0, limits=self.limits)
+        # The first mask is when llguidance builds the lexer: do it here, when the request
+        # is added, rather than inside the first step that samples for it.
+        scratch = np.zeros(mask_width(self.vocab_size), np.int32)
+        m.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if m.is_error():
             raise GuidedDecodingError(f"guided.{spec.kind}: {m.get_error()}")
         with self._lock:

@@ -6,6 +6,9 @@
   Only steps in which every running sequence decodes are timed (median per run); plain and
   constrained runs alternate ``--repeats`` times. The ratio of the medians, constrained /
   unconstrained, per batch size is the figure (floor: <= 1.15 at batch 32).
+* the parts, timed alone and alternating with their baseline (steadier than whole steps
+  on a shared machine): the host's mask build for 32 rows, and the sampler with every
+  row's mask active vs none;
 * the grammar library's compile time per schema: the 54 schemas of tests/guided_schemas.py,
   each compiled fresh (matcher built and its first mask computed, which is when llguidance
   builds its lexer), median and max.
@@ -70,11 +73,54 @@ def compile_times() -> dict:
             "compile_ms_max": 1e3 * max(secs), "mask_ms_median": 1e3 * statistics.median(masks)}
 
 
+def parts(batch: int = 32, calls: int = 20) -> dict:
+    """The two pieces a constrained step adds, timed alone, alternating with their baseline:
+    the host's mask build for ``batch`` JSON-schema rows, and the sampler executable with
+    every row's mask active vs none active (random logits of the default vocabulary)."""
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine import guided as G
+    from jaxinfer.engine import sampler as S
+    from jaxinfer.engine.runner import sample_fn
+    from jaxinfer.loading import load_model
+
+    tok = load_model(None).tokenizer
+    v = tok.vocab_size
+    comp = G.GrammarCompiler(tok, v, tok.eos_token_ids)
+    rows = [(i, G.SequenceConstraints(comp.matcher(G.GuidedDecoding.parse({"json": SCHEMA})), 0, [], [], []), [])
+            for i in range(batch)]
+    host = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        m = G.build_mask(batch, v, rows)
+        host.append(time.perf_counter() - t0)
+    logits = jax.random.normal(jax.random.key(0), (batch, v), np.float32) * 3
+    pen = (np.zeros((batch, v), bool), np.zeros((batch, v), np.int32))
+    t = S.sampling_tensors_from_params([], [], [], batch)
+    on = S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active)
+    e = G.empty_mask(batch, v)
+    off = S.TokenMask(e.bits, e.bias_ids, e.bias_vals, e.active)
+    fn = jax.jit(sample_fn)
+    rws = np.arange(batch, dtype=np.int32)
+    fn(logits, pen, rws, t, on).block_until_ready()
+    dev: dict[str, list[float]] = {"none_active": [], "all_active": []}
+    for _ in range(calls):
+        for name, mask in (("none_active", off), ("all_active", on)):
+            t0 = time.perf_counter()
+            fn(logits, pen, rws, t, mask).block_until_ready()
+            dev[name].append(time.perf_counter() - t0)
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return {"batch": batch, "host_mask_build_ms": med(host), "sampler_ms_no_mask": med(dev["none_active"]),
+            "sampler_ms_mask": med(dev["all_active"])}
+
+
 def main() -> None:
     p = C.base_parser(__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts-only", action="store_true", help="only the compile times and the parts")
     args = p.parse_args()
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
@@ -84,6 +130,10 @@ def main() -> None:
            "tokens": args.tokens}
     res["compile"] = compile_times()
     print(json.dumps(res["compile"]), flush=True)
+    res["parts"] = parts(max(batches))
+    print(json.dumps(res["parts"]), flush=True)
+    if args.parts_only:
+        return C.write_json(args.out, res)
     eng = Engine(max_num_seqs=max(batches), max_num_batched_tokens=512, max_model_len=256, num_pages=32 * 8 + 8,
                  page_buckets=(16,), decode_buckets=tuple(batches), mixed_decode_buckets=(0, max(batches)),
                  prefill_buckets=((16, 32),), progress=False)

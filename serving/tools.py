@@ -168,16 +168,25 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict]]
 
 
 def stream_tool_deltas(streamer: Any, d: Any) -> list[dict]:
-    """Chat stream choices for a request with tools: the text of choice ``d.index`` is held
-    (``streamer.held``) until the choice ends; then either its tool calls go out as OpenAI
-    sends them (one delta with the call's id, type and name, one with its arguments) and
-    ``finish_reason: "tool_calls"``, or the held text as one content delta."""
-    held = streamer.held
-    held[d.index] = held.get(d.index, "") + d.text
-    if d.finish_reason is None:
-        return []
-    content, calls = parse_tool_calls(held.pop(d.index), streamer.req.tools)
+    """Chat stream choices for a request with tools. With ``auto`` the text streams as
+    content up to where a ``<tool_call>`` begins (a tail that could be the start of the tag
+    is held back); from the tag on (and for required / named, from the start) the text is
+    held (``streamer.held``) until the choice ends. Then its tool calls go out as OpenAI
+    sends them (one delta with the call's id, type and name, one with its arguments) with
+    ``finish_reason: "tool_calls"``, or, if it parses as none, the held text as content."""
+    spec: ToolSpec = streamer.req.tools
+    held = streamer.held.get(d.index, "") + d.text
     out = []
+    if not spec.constrained:
+        cut = _safe_prefix(held)
+        if cut:
+            out.append({"index": d.index, "delta": {"content": held[:cut]}, "logprobs": None,
+                        "finish_reason": None})
+            held = held[cut:]
+    streamer.held[d.index] = held
+    if d.finish_reason is None:
+        return out
+    content, calls = parse_tool_calls(streamer.held.pop(d.index), spec)
     if content:
         out.append({"index": d.index, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
     for i, c in enumerate(calls):
@@ -189,3 +198,18 @@ def stream_tool_deltas(streamer: Any, d: Any) -> list[dict]:
     out.append({"index": d.index, "delta": {}, "logprobs": None,
                 "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason})
     return out
+
+
+_TAG = "<tool_call>"
+
+
+def _safe_prefix(text: str) -> int:
+    """How much of ``text`` can stream as content: all of it up to a ``<tool_call>`` tag, or
+    up to a tail that may still grow into one."""
+    i = text.find(_TAG)
+    if i >= 0:
+        return i
+    for k in range(min(len(_TAG) - 1, len(text)), 0, -1):
+        if _TAG.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)

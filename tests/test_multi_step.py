@@ -178,3 +178,16 @@ def test_async_engine_streams_multi_step_runs(multi, single):
         assert final.finished and final.outputs[0].token_ids == w.outputs[0].token_ids
         assert all(seen[i + 1][:len(seen[i])] == seen[i] for i in range(len(seen) - 1))
         assert len(seen) < 10, "multi-step runs deliver several tokens per update"
+
+
+def test_constrained_requests_run_single_steps_beside_multi_step(multi, single):
+    """A grammar needs the host between tokens: while one runs, the engine takes single
+    steps, and its neighbours' tokens stay those of plain single steps."""
+    import re
+
+    plain = _params()[:2]
+    want = [o.outputs[0].token_ids for o in single.generate(["a b c", "d e"], plain)]
+    guided = SamplingParams(temperature=0, max_tokens=12, guided={"regex": "[0-9]{3}-[a-z]{2}"})
+    outs = multi.generate(["a b c", "d e", "pick"], plain + [guided])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[2].outputs[0].text)

@@ -90,3 +90,44 @@ def test_assistant_calls_are_written_back_in_the_model_format():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     with pytest.raises(ProtocolError):
         T.assistant_calls_text([{"function": {"name": "f", "arguments": "{"}}], "x")
+
+
+class _Streamer:
+    def __init__(self, tool_spec):
+        self.req = type("R", (), {"tools": tool_spec})()
+        self.held = {}
+
+
+def _deltas(tool_spec, pieces):
+    from types import SimpleNamespace
+
+    st, out = _Streamer(tool_spec), []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out += T.stream_tool_deltas(st, SimpleNamespace(index=0, text=p, finish_reason="stop" if last else None,
+                                                        stop_reason=None))
+    return out
+
+
+def test_stream_auto_content_flows_and_calls_come_as_deltas():
+    text = _deltas(spec(), ["It is ", "sunny <tool", "_ca", "ll>no json</tool_call>", "."])
+    content = "".join(c["delta"].get("content", "") for c in text)
+    assert text[0]["delta"] == {"content": "It is "} and content == "It is sunny <tool_call>no json</tool_call>."
+    assert text[-1]["finish_reason"] == "stop"
+    call = _deltas(spec(), ["Sure. <tool_", 'call>{"name": "get_weather", ', '"arguments": {"city": "Rome"}}</tool_call>'])
+    assert call[0]["delta"] == {"content": "Sure. "}
+    tc = [c["delta"]["tool_calls"][0] for c in call if "tool_calls" in c["delta"]]
+    assert tc[0]["function"] == {"name": "get_weather", "arguments": ""} and tc[0]["id"].startswith("call_")
+    assert json.loads(tc[1]["function"]["arguments"]) == {"city": "Rome"}
+    assert call[-1]["finish_reason"] == "tool_calls"
+    held = _deltas(spec("required"), ["<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"])
+    assert all("content" not in c["delta"] for c in held) and held[-1]["finish_reason"] == "tool_calls"
+
+
+def test_gbnf_grammars_are_converted():
+    import llguidance
+
+    from jaxinfer.engine.guided import GuidedDecoding, grammar_text
+
+    g = grammar_text(GuidedDecoding.parse({"grammar": 'root ::= "yes" | "no" ws\nws ::= [ ]*'}))
+    assert llguidance.LLMatcher.validate_grammar(g) == ""

@@ -137,3 +137,24 @@ def test_two_turn_tool_loop(server, client):
     assert c.message.content or c.message.tool_calls
     # the second prompt carries the first call and the tool's answer
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens + 20
+
+
+def test_unconstrained_neighbours_keep_their_tokens(server, client):
+    """Plain greedy requests sent together with constrained ones get the tokens they get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = server.engine.model_name
+    plain = lambda p: client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)  # noqa: E731
+    alone = [plain(p).choices[0].text for p in ("The capital of France is", "def add(a, b):")]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    msgs = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+    with ThreadPoolExecutor(4) as pool:
+        # PERSON bounds every string and array: 160 tokens always reach the end
+        guided = [pool.submit(client.chat.completions.create, model=model, messages=msgs, max_tokens=160,
+                              temperature=0.7, seed=i, response_format=fmt) for i in range(2)]
+        mixed = [pool.submit(plain, p) for p in ("The capital of France is", "def add(a, b):")]
+        assert [f.result().choices[0].text for f in mixed] == alone
+        for f in guided:
+            c = f.result().choices[0]
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.message.content), PERSON)

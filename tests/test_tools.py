@@ -131,3 +131,20 @@ def test_gbnf_grammars_are_converted():
 
     g = grammar_text(GuidedDecoding.parse({"grammar": 'root ::= "yes" | "no" ws\nws ::= [ ]*'}))
     assert llguidance.LLMatcher.validate_grammar(g) == ""
+
+
+def test_a_template_that_reads_tools_renders_them():
+    from types import SimpleNamespace
+
+    seen = {}
+
+    def apply(messages, tools=None, tokenize=False, add_generation_prompt=True):
+        seen.update(messages=messages, tools=tools)
+        return "rendered"
+
+    tok = SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}",
+                          hf=SimpleNamespace(apply_chat_template=apply),
+                          encode=lambda text, add_special_tokens=False: [len(text)])
+    msgs = [{"role": "user", "content": "hi"}]
+    assert T.render_messages(msgs, spec(), tok) == [len("rendered")]
+    assert seen["messages"] == msgs and [t["function"]["name"] for t in seen["tools"]] == ["get_weather", "get_time"]

@@ -9,10 +9,12 @@ bucket ladder) serves behind the guarded uvicorn protocol, as ``jaxinfer serve``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -278,3 +280,120 @@ def test_api_key_from_file_guards_the_server(server, tmp_path, monkeypatch):
 
     assert asyncio.run(go()) == (401, 200)
 
+
+# ---------------------------------------------------------------------- AsyncEngine
+
+@contextlib.contextmanager
+def _engine_paused(aeng):
+    """Hold the AsyncEngine's lock while it idles: its loop cannot step, so this thread may
+    drive the engine directly (and must leave nothing unfinished)."""
+    with aeng._wake:
+        assert not aeng._inbox and not aeng.engine.has_unfinished()
+        yield aeng.engine
+        assert not aeng.engine.has_unfinished()
+
+
+def _run(engine, prompts, params, deltas):
+    ids = [engine.add_request(p, params, request_id=f"{'d' if deltas else 'c'}{i}") for i, p in enumerate(prompts)]
+    final, parts = {}, {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step(deltas=deltas):
+            parts[out.request_id].append(out)
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids], [parts[i] for i in ids]
+
+
+def test_deltas_join_to_the_cumulative_outputs(server):
+    from jaxinfer.config import SamplingParams
+
+    prompts = ["Hello there", "The quick brown fox", [5, 6, 7, 8, 9]]
+    p = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2, stop=["e t"])
+    with _engine_paused(server.aeng) as engine:
+        want, _ = _run(engine, prompts, p, deltas=False)
+        got, parts = _run(engine, prompts, p, deltas=True)
+    for w, steps in zip(want, parts):
+        for i, wo in enumerate(w.outputs):
+            pieces = [s.outputs[i] for s in steps]
+            assert "".join(o.text for o in pieces) == wo.text
+            assert [t for o in pieces for t in o.token_ids] == wo.token_ids
+            assert [lp for o in pieces for lp in o.logprobs] == wo.logprobs
+            assert pieces[-1].finish_reason == wo.finish_reason and pieces[-1].stop_reason == wo.stop_reason
+        assert max(len(s.outputs[0].token_ids) for s in steps) <= 1      # only what is new
+
+
+def test_add_and_abort_never_wait_for_a_step(server, monkeypatch):
+    from jaxinfer.config import SamplingParams
+
+    aeng, engine = server.aeng, server.aeng.engine
+    real_step, step_s = engine.step, 0.5
+    in_step = threading.Event()
+
+    def slow_step(*a, **kw):
+        in_step.set()
+        time.sleep(step_s)
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main():
+        a = aeng.generate([1, 2, 3, 4], p, "slow-a")
+        first = asyncio.ensure_future(a.__anext__())
+        await asyncio.to_thread(in_step.wait, 10)        # a's step is now in flight
+        t0 = time.perf_counter()
+        await aeng.abort("slow-a")
+        abort_s = time.perf_counter() - t0
+        b = aeng.generate([1, 2, 3, 4, 5], p, "slow-b")
+        t0 = time.perf_counter()
+        b_first = asyncio.ensure_future(b.__anext__())
+        while not any(c[:2] == ("add", "slow-b") for c in aeng._inbox):
+            await asyncio.sleep(0.001)
+            assert time.perf_counter() - t0 < step_s / 2, "add waited for the step"
+        add_s = time.perf_counter() - t0
+        out = await b_first
+        async for out in b:
+            pass
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await a.aclose()
+        return abort_s, add_s, out
+
+    abort_s, add_s, out = asyncio.run(main())
+    assert abort_s < 0.05 and add_s < 0.05, (abort_s, add_s)
+    assert out.finished and len(out.outputs[0].token_ids) == 3
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = engine.stats()
+    assert st["num_free_pages"] == st["num_total_pages"]            # the aborted request freed its pages
+
+
+def test_tokenization_runs_off_the_event_loop(server, monkeypatch):
+    from jaxinfer.config import SamplingParams
+
+    aeng = server.aeng
+    threads = []
+    real = aeng.engine.encode_prompt
+
+    def encode(prompt):     # token ids are only validated (also by add_request): not counted
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            threads.append(threading.get_ident())
+        return real(prompt)
+
+    monkeypatch.setattr(aeng.engine, "encode_prompt", encode)
+
+    async def main():
+        loop_thread = threading.get_ident()
+        p = SamplingParams(temperature=0, max_tokens=2)
+        for prompt in ("Hello there", [{"role": "user", "content": "Hi"}]):
+            async for out in aeng.generate(prompt, p, f"tok-{len(threads)}"):
+                pass
+            assert out.finished and out.prompt_token_ids
+        with pytest.raises(ValueError, match="prompt"):       # bad input: raised before any output
+            async for out in aeng.generate("", p, "tok-empty"):
+                pass
+        return loop_thread
+
+    loop_thread = asyncio.run(main())
+    assert len(threads) == 3 and loop_thread not in threads and aeng._thread.ident not in threads

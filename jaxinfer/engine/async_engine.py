@@ -1,10 +1,19 @@
 """AsyncEngine: the Engine driven by its own thread, with an async-iterator API for servers.
 
-The engine loop sleeps on a condition variable while there is nothing to do and wakes on
-a new request or abort: no polling. Requests are added under a lock from a worker thread
-(``run_in_executor``), so validation errors (ValueError, QueueFullError) reach the caller
-before anything is yielded, and the event loop never waits for a device step. Outputs go
-back to each request's asyncio queue through ``call_soon_threadsafe``.
+Only the engine thread touches the engine. Callers put "add" and "abort" commands in an
+inbox under a lock held for an append, never across a step, so adding or aborting a
+request returns at once however long the step in flight takes; the loop drains the inbox
+between steps. The loop sleeps on a condition variable while there is nothing to do and
+wakes on a command: no polling.
+
+Tokenization and chat templating run in a worker thread, off the caller's event loop and
+off the engine thread. A bad prompt raises ValueError from ``generate`` before anything is
+yielded; errors found when the engine adds the request (too long, queue full) arrive the
+same way, through the request's queue.
+
+The engine hands out deltas (``Engine.step(deltas=True)``: only what is new, O(new) per
+step); each request's cumulative output is grown from them on the caller's side, where
+the API needs it, instead of copying every request's whole output every step.
 """
 
 from __future__ import annotations
@@ -14,12 +23,37 @@ import logging
 import threading
 from typing import Any, AsyncIterator
 
-from jaxinfer.config import RequestOutput, SamplingParams
+from jaxinfer.config import CompletionOutput, RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError
 
 log = logging.getLogger("jaxinfer")
 
-_DONE = object()
+
+class _Cumulative:
+    """One request's output so far, grown in place from the engine's deltas."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: RequestOutput | None = None
+
+    def apply(self, delta: RequestOutput, prompt_text: str | None) -> RequestOutput:
+        out = self.out
+        if out is None:
+            outs = [CompletionOutput(d.index, d.text, list(d.token_ids), d.finish_reason, d.stop_reason,
+                                     None if d.logprobs is None else list(d.logprobs))
+                    for d in delta.outputs]
+            out = self.out = RequestOutput(delta.request_id, prompt_text, delta.prompt_token_ids, outs,
+                                           delta.finished, delta.metrics)
+            return out
+        for o, d in zip(out.outputs, delta.outputs):
+            o.text += d.text
+            o.token_ids.extend(d.token_ids)
+            if d.logprobs:
+                o.logprobs.extend(d.logprobs)
+            o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+        out.finished, out.metrics = delta.finished, delta.metrics
+        return out
 
 
 class AsyncEngine:
@@ -29,8 +63,9 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs
-        self._lock = threading.Lock()            # guards the engine (scheduler is not thread-safe)
+        self._lock = threading.Lock()            # guards the inbox only; never held across a step
         self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple] = []            # ("add", id, ids, params, priority) | ("abort", id)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.is_dead = False
@@ -44,18 +79,34 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self.engine.has_unfinished():
+                    while not self._stopping and not self._inbox and not self.engine.has_unfinished():
                         self._wake.wait()
                     if self._stopping:
                         return
-                    outputs = self.engine.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                    inbox, self._inbox = self._inbox, []
+                for cmd in inbox:
+                    self._run_command(cmd)
+                if self.engine.has_unfinished():
+                    for out in self.engine.step(deltas=True):
+                        self._deliver(out.request_id, out)
         except BaseException as e:   # noqa: BLE001 - the loop must report any death
             log.exception("engine loop died")
-            self.error, self.is_dead = e, True
+            with self._wake:
+                self.error, self.is_dead = e, True
             for rid in list(self._queues):
                 self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _run_command(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            return
+        _, request_id, ids, params, priority = cmd
+        if request_id not in self._queues:       # the caller left before the loop got to it
+            return
+        try:
+            self.engine.add_request(ids, params, request_id, priority)
+        except Exception as e:   # noqa: BLE001 - bad input, queue full: the caller's error
+            self._deliver(request_id, e)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         entry = self._queues.get(request_id)
@@ -67,53 +118,64 @@ class AsyncEngine:
         except RuntimeError:          # the caller's loop is closed: nobody is listening
             self._queues.pop(request_id, None)
 
-    # ---- caller side ----------------------------------------------------------------
-    def _add(self, prompt: Any, params: SamplingParams, request_id: str, priority: int) -> None:
+    def _post(self, cmd: tuple) -> None:
         with self._wake:
             if self.is_dead:
                 raise EngineDeadError("engine loop has died")
-            self.engine.add_request(prompt, params, request_id, priority)
+            self._inbox.append(cmd)
             self._wake.notify()
+
+    # ---- caller side ----------------------------------------------------------------
+    async def _encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, (list, tuple)) and not any(isinstance(x, dict) for x in prompt):
+            return self.engine.encode_prompt(prompt)      # token ids: only validated
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.encode_prompt, prompt)
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has ``finished=True``.
+
+        A yielded output grows in place as later ones arrive (building a fresh copy per step
+        is what made streaming quadratic): use it before asking for the next, or copy it.
         Closing the iterator early (client gone, task cancelled) aborts the request."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        added = finished = False
+        posted = finished = False
+        acc = _Cumulative()
         try:
-            await loop.run_in_executor(None, self._add, prompt, params, request_id, priority)
-            added = True
+            text, ids = await self._encode(prompt)
+            self._post(("add", request_id, ids, params, priority))
+            posted = True
             while True:
                 item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                # Coalesce: if several snapshots queued up, only the newest matters.
-                while not q.empty():
-                    nxt = q.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        raise nxt
-                    item = nxt
-                yield item
-                if item.finished:
+                while True:    # apply every delta that queued up, then yield once
+                    if isinstance(item, BaseException):
+                        raise item
+                    out = acc.apply(item, text)
+                    if q.empty():
+                        break
+                    item = q.get_nowait()
+                yield out
+                if out.finished:
                     finished = True
                     return
         finally:
             self._queues.pop(request_id, None)
-            if added and not finished:
-                await self.abort(request_id)
+            if posted and not finished:
+                self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        try:
+            self._post(("abort", request_id))
+        except EngineDeadError:
+            pass
 
     async def abort(self, request_id: str) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._abort_sync, request_id)
-
-    def _abort_sync(self, request_id: str) -> None:
-        with self._wake:
-            self.engine.abort(request_id)
+        """Abort ``request_id``: returns at once; the engine frees its pages between steps."""
+        self._abort_now(request_id)
 
     def stats(self) -> dict[str, Any]:
         # Reads plain ints/floats; a slightly stale snapshot is fine for metrics.

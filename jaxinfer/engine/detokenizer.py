@@ -64,6 +64,14 @@ class IncrementalDetokenizer:
         return self._buf[:self._emitted]
 
     @property
+    def text_len(self) -> int:
+        return self._emitted
+
+    def text_since(self, start: int) -> str:
+        """``text[start:]`` without copying the text before ``start``."""
+        return self._buf[start:self._emitted]
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context:]
 

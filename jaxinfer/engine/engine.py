@@ -48,6 +48,23 @@ class _Request:
     constraints: list[Any] | None = None   # guided.SequenceConstraints per sample, if constrained
     finished: bool = False
     stop_reasons: list[Any] = field(default_factory=list)
+    sent: list[tuple[int, int]] = field(default_factory=list)   # per sample: tokens, chars in deltas so far
+
+    def delta(self) -> RequestOutput:
+        """What is new since this request's previous ``delta()``: per sample, the new token ids,
+        text and logprobs. Costs O(new), where ``snapshot`` copies everything so far."""
+        if not self.sent:
+            self.sent = [(0, 0)] * len(self.seqs)
+        outs = []
+        for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
+            nt, nc = self.sent[i]
+            toks = seq.output_token_ids
+            outs.append(CompletionOutput(
+                index=i, text=d.text_since(nc), token_ids=toks[nt:], finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[i][nt:]))
+            self.sent[i] = (len(toks), d.text_len)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics)
 
     def snapshot(self) -> RequestOutput:
         outs = []
@@ -341,17 +358,20 @@ class Engine:
             rep.block_manager.reset_prefix_cache()
 
     # ---- the step -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deltas: bool = False) -> list[RequestOutput]:
         """One iteration: schedule -> run -> postprocess, on every replica (their device
         steps run concurrently). Returns outputs of requests that changed (cumulative
-        snapshots), finished ones included once, last."""
+        snapshots), finished ones included once, last. With ``deltas`` each output holds
+        only what is new since the request's previous one (``_Request.delta``): a step's
+        host cost then does not grow with output length (AsyncEngine accumulates them)."""
         t0 = time.perf_counter()
+        emit = _Request.delta if deltas else _Request.snapshot
         # A constrained sequence needs the host between tokens: no multi-step runs then.
         if self.config.num_scheduler_steps > 1 and not any(r.constraints for r in self._requests.values()):
             run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
             self.replicas[0].apply_page_ops()
             if run is not None:
-                return self._multi_step(self.replicas[0], *run, t0)
+                return [emit(r) for r in self._multi_step(self.replicas[0], *run, t0)]
         pending = []
         for rep in self.replicas:
             sched = rep.scheduler.schedule()
@@ -379,7 +399,7 @@ class Engine:
         t2 = time.perf_counter()
         outs = []
         for rep, sched, batch, packed in fetched:
-            outs += self._postprocess(rep, sched, batch.entries, packed)
+            outs += map(emit, self._postprocess(rep, sched, batch.entries, packed))
         t3 = time.perf_counter()
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -397,7 +417,7 @@ class Engine:
         self.compiler.ensure(rep.runner, batch.bucket)
         return batch
 
-    def _multi_step(self, rep: "_Replica", sched: SchedulerOutput, k: int, t0: float) -> list[RequestOutput]:
+    def _multi_step(self, rep: "_Replica", sched: SchedulerOutput, k: int, t0: float) -> list[_Request]:
         """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each
         step's tokens postprocessed in order, exactly as ``k`` single steps would be; a
         sequence that stops early drops the tokens it sampled after that."""
@@ -407,7 +427,7 @@ class Engine:
         t1 = time.perf_counter()
         packed = rep.runner.fetch(handle)                          # i32[max_steps, S', 2 + 2K]
         t2 = time.perf_counter()
-        latest: dict[str, RequestOutput] = {}
+        latest: dict[str, _Request] = {}
         for i in range(k):
             live = [(slot, e) for slot, e in batch.entries if not e.seq.is_finished]
             if not live:
@@ -415,9 +435,9 @@ class Engine:
             entries = [(slot, e if i == 0 else ScheduledSeq(e.seq, e.seq.num_computed_tokens, 1, True))
                        for slot, e in live]
             step_sched = SchedulerOutput([e for _, e in entries], [], len(entries))
-            for out in self._postprocess(rep, step_sched, entries, packed[i]):
-                latest.pop(out.request_id, None)
-                latest[out.request_id] = out
+            for req in self._postprocess(rep, step_sched, entries, packed[i]):
+                latest.pop(req.request_id, None)
+                latest[req.request_id] = req
         t3 = time.perf_counter()
         self.num_steps += k
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -456,7 +476,9 @@ class Engine:
         return build
 
     def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, entries: list[tuple[int, ScheduledSeq]],
-                     packed: np.ndarray) -> list[RequestOutput]:
+                     packed: np.ndarray) -> list[_Request]:
+        """Apply a step's sampled tokens -> the requests that changed (the caller turns them
+        into outputs after the last step of a multi-step run)."""
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
@@ -491,14 +513,12 @@ class Engine:
                     log.warning("request %s: grammar stopped: %s", req.request_id, c.error)
                 req.detoks[seq.sample_index].finish()
                 self._finish(seq, "stop", None)
-        outs = []
         for req in touched.values():
             if all(s.is_finished for s in req.seqs):
                 req.finished = True
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
-            outs.append(req.snapshot())
-        return outs
+        return list(touched.values())
 
     def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
         p = seq.params

@@ -9,9 +9,10 @@ step shape are compiled), then again (kernels and compiled steps come from
 * ``ready_s``: /health says "ready" (every bucket compiled: no step compiles any more);
 * ``first_token_s``: the first streamed token of a chat request sent as soon as /health
   answered 200 (``ttft_s``: the same, from when the request was sent);
-* ``peak_rss_load_mib``: the server's peak RSS (VmHWM) once ready (load + compile);
-* ``peak_rss_workload_mib``: its peak RSS after the throughput workload (32 prompts of
-  16-256 tokens, 128 new tokens each, all at once; ``--quick``: 32 new tokens).
+* ``peak_rss_workload_mib``: the server's peak RSS (VmHWM: load, compile, serving) after the
+  throughput workload (32 prompts of 16-256 tokens, 128 new tokens each, all at once;
+  ``--quick``: 32 new tokens), which is sent as soon as the first token came back;
+* ``peak_rss_mib``: its peak RSS once ready (every bucket compiled) or at ``--ready-timeout``.
 
 llama.cpp's server and vLLM are timed the same way where installed (``llama_cpp.server``,
 ``vllm``); otherwise the result says so.
@@ -88,8 +89,11 @@ def _workload(client: Any, url: str, model: str, prompts: list[list[int]], new_t
     return {"requests": len(prompts), "output_tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs}
 
 
-def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str | None = None) -> dict:
-    """Start ``cmd`` (a server on the port in it) with HOME=home; time it; stop it."""
+def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str | None = None,
+               ready_timeout: float = 1800) -> dict:
+    """Start ``cmd`` (a server on the port in it) with HOME=home; time it; stop it. The
+    workload runs as soon as the first token came back (while buckets may still compile),
+    then /health is polled until "ready" (at most ``ready_timeout`` s from the start)."""
     import httpx
 
     port = int(cmd[cmd.index("--port") + 1])
@@ -99,46 +103,52 @@ def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str |
     log = open(os.path.join(home, "server.log"), "a")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home)
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"load_avg_start": C.load_avg()}
+
+    def health(client: Any) -> tuple[int, str | None] | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            r = client.get(url + "/health", timeout=5)
+        except httpx.TransportError:
+            return None
+        json_body = r.headers.get("content-type", "").startswith("application/json")
+        return r.status_code, (r.json().get("status") if json_body else None)
+
     try:
         with httpx.Client() as client:
-            while "ready_s" not in res:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-                try:
-                    r = client.get(url + "/health", timeout=2)
-                except httpx.TransportError:
-                    time.sleep(0.1)
-                    continue
-                now = time.perf_counter() - t0
-                status = r.json().get("status") if r.headers.get("content-type", "").startswith(
-                    "application/json") else None
-                if r.status_code == 200 and "serving_s" not in res:
-                    res["serving_s"] = now
-                    name = model or client.get(url + "/v1/models").json()["data"][0]["id"]
-                    res["ttft_s"] = _first_token(client, url, name)
-                    res["first_token_s"] = time.perf_counter() - t0
-                if r.status_code == 200 and status in ("ready", "ok", None):
-                    res["ready_s"] = now
-                else:
-                    time.sleep(0.1)
-            res["peak_rss_load_mib"] = _rss_mib(proc.pid)[1]
+            while (h := health(client)) is None or h[0] != 200:
+                time.sleep(0.1)
+            res["serving_s"] = time.perf_counter() - t0
+            name = model or client.get(url + "/v1/models").json()["data"][0]["id"]
+            res["ttft_s"] = _first_token(client, url, name)
+            res["first_token_s"] = time.perf_counter() - t0
             res["workload"] = _workload(client, url, name, prompts, new_tokens)
             res["rss_after_workload_mib"], res["peak_rss_workload_mib"] = _rss_mib(proc.pid)
+            res["ready_s"] = None       # not within ready_timeout
+            while time.perf_counter() - t0 < ready_timeout:
+                h = health(client)
+                if h is not None and h[0] == 200 and h[1] in ("ready", "ok", None):
+                    res["ready_s"] = time.perf_counter() - t0
+                    break
+                time.sleep(0.2)
+            res["peak_rss_mib"] = _rss_mib(proc.pid)[1]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    res["load_avg_end"] = C.load_avg()
     return res
 
 
-def jaxinfer_cmd(port: int, quantization: str | None) -> list[str]:
+def jaxinfer_cmd(port: int, quantization: str | None, warmup: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", str(port), "--no-access-log",
            "--log-level", "warning"]
-    return cmd + (["--quantization", quantization] if quantization else [])
+    cmd += ["--quantization", quantization] if quantization else []
+    return cmd + (["--warmup", warmup] if warmup else [])
 
 
 def peers(port: int) -> dict[str, list[str] | str]:
@@ -162,6 +172,12 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens per workload request (default: the workload's, 128)")
     p.add_argument("--keep-home", action="store_true", help="keep the temporary HOMEs (logs, caches)")
+    p.add_argument("--ready-timeout", type=float, default=1800,
+                   help="stop waiting for /health 'ready' after this many seconds from the start")
+    p.add_argument("--phases", default="cold,warm", help="cold,warm (same HOME, in this order)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also a cold float32 start with --warmup full (every bucket compiled before "
+                        "serving, as the server did before background compilation): the same-run baseline")
     args = p.parse_args()
 
     w = C.load_workload(args.workload)
@@ -174,12 +190,22 @@ def main() -> int:
         if fmt not in ("float32", "int8"):
             p.error(f"--formats: unknown {fmt!r} (float32, int8)")
         home = tempfile.mkdtemp(prefix=f"jaxinfer-startup-{fmt}-")
-        for phase in ("cold", "warm"):
+        for phase in [x.strip() for x in args.phases.split(",") if x.strip()]:
             r = run_server(jaxinfer_cmd(_free_port(), None if fmt == "float32" else fmt), home,
-                           prompts, new_tokens)
+                           prompts, new_tokens, ready_timeout=args.ready_timeout)
             res["runs"][f"jaxinfer {fmt} {phase}"] = r
             rows.append((f"jaxinfer {fmt} {phase}", r))
             print(f"{fmt} {phase}: " + json.dumps(r), file=sys.stderr, flush=True)
+        if not args.keep_home:
+            import shutil
+            shutil.rmtree(home, ignore_errors=True)
+    if args.baseline:
+        home = tempfile.mkdtemp(prefix="jaxinfer-startup-full-")
+        r = run_server(jaxinfer_cmd(_free_port(), None, "full"), home, prompts, new_tokens,
+                       ready_timeout=args.ready_timeout)
+        res["runs"]["jaxinfer float32 cold, --warmup full"] = r
+        rows.append(("float32 cold warmup=full", r))
+        print("baseline: " + json.dumps(r), file=sys.stderr, flush=True)
         if not args.keep_home:
             import shutil
             shutil.rmtree(home, ignore_errors=True)
@@ -188,19 +214,20 @@ def main() -> int:
             res["runs"][name] = cmd
             continue
         home = tempfile.mkdtemp(prefix="jaxinfer-startup-peer-")
-        r = run_server(cmd, home, prompts, new_tokens, model="default")
+        r = run_server(cmd, home, prompts, new_tokens, model="default", ready_timeout=args.ready_timeout)
         res["runs"][name] = r
         rows.append((name, r))
     res["load_avg_end"] = C.load_avg()
 
     print(f"\nstart-up ({w['source']}, {len(prompts)} prompts x {new_tokens} new tokens; "
           f"load avg at start {res['machine']['load_avg_start']}, end {res['load_avg_end']})")
-    print(f"{'run':<24}{'serving s':>10}{'ready s':>9}{'1st tok s':>10}{'TTFT s':>8}"
-          f"{'RSS load MiB':>13}{'RSS work MiB':>13}{'tok/s':>7}")
+    print(f"{'run':<26}{'serving s':>10}{'1st tok s':>10}{'TTFT s':>8}{'ready s':>9}"
+          f"{'RSS work MiB':>13}{'RSS peak MiB':>13}{'tok/s':>7}{'load':>6}")
     for name, r in rows:
-        print(f"{name:<24}{r['serving_s']:>10.1f}{r['ready_s']:>9.1f}{r['first_token_s']:>10.1f}"
-              f"{r['ttft_s']:>8.2f}{r['peak_rss_load_mib']:>13.0f}{r['peak_rss_workload_mib']:>13.0f}"
-              f"{r['workload']['tok_per_s']:>7.1f}")
+        ready = "-" if r["ready_s"] is None else f"{r['ready_s']:.1f}"
+        print(f"{name:<26}{r['serving_s']:>10.1f}{r['first_token_s']:>10.1f}{r['ttft_s']:>8.2f}{ready:>9}"
+              f"{r['peak_rss_workload_mib']:>13.0f}{r['peak_rss_mib']:>13.0f}"
+              f"{r['workload']['tok_per_s']:>7.1f}{r['load_avg_start'][0]:>6.1f}")
     for name, r in res["runs"].items():
         if isinstance(r, str):
             print(f"{name}: {r}")

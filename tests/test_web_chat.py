@@ -95,9 +95,9 @@ def slow_steps(engine, seconds: float):
     long reply is still streaming when the test presses Stop."""
     step = engine.step
 
-    def slow():
+    def slow(*args, **kwargs):          # AsyncEngine calls step(deltas=True)
         t = time.monotonic()
-        out = step()
+        out = step(*args, **kwargs)
         time.sleep(max(0.0, seconds - (time.monotonic() - t)))
         return out
 

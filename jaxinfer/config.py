@@ -23,6 +23,9 @@ LLAMA_FAMILY = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# Activations a model's MLP may name (models/layers.py ``activation``); "gelu_new" is
+# GPT-2's name for the tanh approximation.
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 # HF `layer_types` entries ModelConfig understands (see ModelConfig.layer_window).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -84,6 +87,7 @@ class ModelConfig:
     attn_soft_cap: float | None = None   # scores -> cap * tanh(scores / cap) (attn_logit_softcapping)
     final_soft_cap: float | None = None  # the same on the logits (final_logit_softcapping)
     rope_local_theta: float | None = None  # rotary base of sliding layers (rope_local_base_freq)
+    gpt: Any = None                 # models/gpt_config.GptStyle for the GPT-style families, else None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -96,8 +100,8 @@ class ModelConfig:
         _require(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary, got {self.head_dim}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        _require(self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh"), "hidden_act",
-                 f"unsupported activation {self.hidden_act!r} (supported: silu, gelu, gelu_pytorch_tanh)")
+        _require(self.hidden_act in ACTIVATIONS, "hidden_act",
+                 f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
         _require(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
                  f"must be a positive integer or null, got {self.sliding_window!r}")
         if self.layer_types is not None:

@@ -81,6 +81,8 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
 
     for layer in model.layers:
         for fused, parts in FUSED:
+            if not all(hasattr(layer, p) for p in parts):    # e.g. a plain (ungated) MLP
+                continue
             ws = [getattr(layer, p)[...] for p in parts]
             if all(getattr(w, "panel", 0) for w in ws):
                 q = jnp.concatenate([w.q for w in ws], axis=0)              # panels: [N/32, K/2, 32, 2]

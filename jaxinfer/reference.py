@@ -54,11 +54,11 @@ class RowResult:
 
 
 @functools.lru_cache(maxsize=None)
-def _engine_attention(kv_dtype) -> Callable:
+def _engine_attention(kv_dtype, alibi: bool = False) -> Callable:
     """The paged attention the engine picks for this backend and cache dtype
     (attention/dispatch.py "auto": the C++ kernel on CPU for float32 pages, else the jnp
     path), so this generator and the engine compute the same bits."""
-    return dispatch.select("auto", kv_dtype=kv_dtype)[1]
+    return dispatch.select("auto", kv_dtype=kv_dtype, alibi=alibi)[1]
 
 
 def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len: int,
@@ -73,13 +73,14 @@ def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len
     # Prefill (seq > 1) starts every row at position 0, so its q_len is its kv_len (the
     # right padding past it gives zero rows); decode adds one token per row.
     q_lens = kv_lens if seq > 1 else jnp.ones((B,), jnp.int32)
+    alibi = L.model_alibi_slopes(cfg)          # ALiBi models (no tensor parallelism here)
+    extra = {} if alibi is None else {"alibi_slopes": jnp.asarray(alibi)}
 
     def attn(layer: int, q, k, v, cache):
         k_pages, v_pages = kvc.write_kv(cache[0], cache[1], k, v, slots)
-        o = _engine_attention(k_pages.dtype)(q, k_pages, v_pages, kv_lens, q_lens, page_table,
-                                   num_decode=B if seq == 1 else 0,
-                                   prefill_chunk=0 if seq == 1 else seq,
-                                   **cfg.attention_kwargs(layer))
+        o = _engine_attention(k_pages.dtype, bool(extra))(
+            q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode=B if seq == 1 else 0,
+            prefill_chunk=0 if seq == 1 else seq, **cfg.attention_kwargs(layer), **extra)
         return o, (k_pages, v_pages)
 
     return attn

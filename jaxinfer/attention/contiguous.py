@@ -17,7 +17,11 @@ from jaxinfer.config import ModelConfig
 def contiguous_attention(positions: jax.Array, batch: int, seq: int, cfg: ModelConfig):
     """AttentionFn over caches (k, v) of [B, M, KVH, D]; tokens are [B*seq] row-major and
     ``positions`` i32[B, seq] are their absolute positions (where their K/V are written).
-    Each layer's scale, window and soft-cap come from ``cfg.attention_kwargs``."""
+    Each layer's scale, window and soft-cap come from ``cfg.attention_kwargs``; ALiBi
+    models add slope * (key pos - query pos) per head (layers.model_alibi_slopes)."""
+    from jaxinfer.models.layers import model_alibi_slopes
+
+    alibi = model_alibi_slopes(cfg)
 
     def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any):
         opts = cfg.attention_kwargs(layer)
@@ -33,6 +37,9 @@ def contiguous_attention(positions: jax.Array, batch: int, seq: int, cfg: ModelC
         if cap is not None:
             s = cap * jnp.tanh(s / cap)
         kv_pos = jnp.arange(M)[None, None, :]
+        if alibi is not None:
+            dist = (kv_pos - positions[:, :, None]).astype(jnp.float32)           # [B, seq, M]
+            s = s + jnp.asarray(alibi).reshape(KVH, H // KVH)[None, :, :, None, None] * dist[:, None, None]
         mask = kv_pos <= positions[:, :, None]                                # [B, seq, M]
         if window is not None:
             mask &= kv_pos > positions[:, :, None] - window

@@ -15,7 +15,9 @@ sits at absolute position ``kv_lens[s] - q_lens[s] + j`` and attends to KV posit
 head ``h // (H // KVH)`` (HF's repeat_kv). Softmax is in f32 whatever the cache dtype.
 Unused slots (q_len 0) and query rows past q_len give exact zeros. Positions past kv_len and
 unused page-table entries (page 0) are masked with selects, never multiplied, so NaN
-garbage there cannot leak.
+garbage there cannot leak. ALiBi (``alibi_slopes`` f32[H], BLOOM / MPT): query head h adds
+``slopes[h] * (kv_pos - pos)`` to its scaled scores (the same softmax as HF's
+``slopes * kv_pos``, whose extra per-row constant cancels).
 
 Batch invariance (the fast path): a sequence's output must not depend on what else is in
 the step, nor on the bucket (num_decode, num_prefill, prefill_chunk, max_pages_per_seq).
@@ -102,7 +104,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array, *,
                            num_decode: int, prefill_chunk: int, sm_scale: float,
                            sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> jax.Array:
+                           soft_cap: float | None = None,
+                           alibi_slopes: jax.Array | None = None) -> jax.Array:
     """Attention of a step's flattened tokens over their sequences' KV pages.
 
     q [T, H, D]; k_pages, v_pages [N, page_size, KVH, D] (f32 or bf16); kv_lens, q_lens
@@ -114,7 +117,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     T, H, D = q.shape
     S = page_table.shape[0]
     num_prefill = S - num_decode
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if alibi_slopes is not None and alibi_slopes.shape != (H,):
+        raise ValueError(f"alibi_slopes: expected [{H}] (one per query head), got {alibi_slopes.shape}")
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              alibi_slopes=alibi_slopes)
     parts = []
     if num_decode:
         qd = q[:num_decode].reshape(num_decode, 1, H, D)
@@ -131,7 +137,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _attend_slots(q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale: float,
-                  sliding_window: int | None, soft_cap: float | None,
+                  sliding_window: int | None, soft_cap: float | None, alibi_slopes=None,
                   kv_block: int = KV_BLOCK, q_block: int = Q_BLOCK) -> jax.Array:
     """q [S, Q, H, D]: slot s's query j is at kv_lens[s] - q_lens[s] + j. -> f32[S, Q, H, D].
 
@@ -161,6 +167,9 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale:
     qk = qf.reshape(S, nqb, qb, KVH, G, D).transpose(1, 0, 3, 2, 4, 5)
     qk = qk.reshape(nqb, S, KVH, qb * G, D)
     start = kv_lens - q_lens                                        # position of query 0
+    # ALiBi slope of each row r = j * G + g of KV head k: head k * G + g's
+    row_slopes = None if alibi_slopes is None else \
+        alibi_slopes.astype(jnp.float32).reshape(KVH, G)[:, jnp.arange(qb * G) % G]   # [KVH, Mb]
 
     def one_qblock(i, qk_i):
         j = i * qb + jnp.arange(qb * G) // G                        # query index of each row
@@ -176,7 +185,8 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale:
             first = jnp.min(jnp.where(live, first, jnp.iinfo(jnp.int32).max))
             lo = jnp.clip(first // blk, 0, hi)
         return _kv_loop(qk_i, qpos, row_ok, lo, hi, k_pages, v_pages, kv_lens, pt, blk=blk,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                        row_slopes=row_slopes)
 
     if nqb == 1:
         out = one_qblock(0, qk[0])[None]
@@ -187,7 +197,8 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, q_lens, page_table, *, sm_scale:
 
 
 def _kv_loop(qk, qpos, row_ok, lo, hi, k_pages, v_pages, kv_lens, pt, *, blk: int,
-             sm_scale: float, sliding_window: int | None, soft_cap: float | None):
+             sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+             row_slopes: jax.Array | None = None):
     """Online softmax of qk [S, KVH, Mb, D] over KV blocks [lo, hi) -> [S, KVH, Mb, D].
 
     Per block the gathered K is laid out [S, KVH, D, blk] and V [S, KVH, blk, D], so both
@@ -208,6 +219,9 @@ def _kv_loop(qk, qpos, row_ok, lo, hi, k_pages, v_pages, kv_lens, pt, *, blk: in
         s = jnp.einsum("skmd,skdn->skmn", qk, kb) * sm_scale                  # [S, KVH, Mb, blk]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
+        if row_slopes is not None:                                            # ALiBi
+            dist = (kvpos[None, None, :] - qpos[:, :, None]).astype(jnp.float32)   # [S, Mb, blk]
+            s = s + row_slopes[None, :, :, None] * dist[:, None]
         ok = kv_ok[:, None, :] & (kvpos[None, None, :] <= qpos[:, :, None]) & row_ok[:, :, None]
         if sliding_window is not None:
             ok &= kvpos[None, None, :] > qpos[:, :, None] - sliding_window
@@ -285,7 +299,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      kv_lens: jax.Array, page_table: jax.Array,
                                      q_starts: jax.Array, q_lens: jax.Array, *, sm_scale: float,
                                      sliding_window: int | None = None,
-                                     soft_cap: float | None = None) -> jax.Array:
+                                     soft_cap: float | None = None,
+                                     alibi_slopes: jax.Array | None = None) -> jax.Array:
     """Slow, plain attention on the generic ragged description, one query token at a time.
 
     q [T, H, D]; sequence s owns tokens [q_starts[s], q_starts[s] + q_lens[s]) of q (any
@@ -320,6 +335,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                         precision=lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:
             sc = soft_cap * jnp.tanh(sc / soft_cap)
+        if alibi_slopes is not None:
+            sc = sc + alibi_slopes.astype(jnp.float32)[:, None] * (kvpos - p).astype(jnp.float32)[None, :]
         sc = jnp.where(ok[None, :], sc, _NEG_INF)
         mx = jnp.max(sc, axis=-1, keepdims=True)
         e = jnp.where(ok[None, :], jnp.exp(sc - jnp.where(ok.any(), mx, 0.0)), 0.0)

@@ -42,15 +42,17 @@ NUM_LOGPROBS = 20   # top-K capacity of every executable (SamplingParams.MAX_LOG
 
 
 def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_lens, q_lens,
-                       page_table, cfg: ModelConfig):
+                       page_table, cfg: ModelConfig, alibi_slopes=None):
     """AttentionFn for the model: write this step's K/V into the pages, then attend with
-    the layer's options (scale, sliding window, soft-cap: ModelConfig.attention_kwargs)."""
+    the layer's options (scale, sliding window, soft-cap: ModelConfig.attention_kwargs).
+    ``alibi_slopes`` f32[this device's heads] for ALiBi models (only the jnp path takes them)."""
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
 
     def attn(layer: int, q, k, v, cache):
         k_pages, v_pages = kvc.write_kv(cache[0], cache[1], k, v, slot_mapping)
         o = attention(q, k_pages, v_pages, kv_lens, q_lens, page_table,
                       num_decode=bucket.num_decode, prefill_chunk=bucket.prefill_chunk,
-                      **cfg.attention_kwargs(layer))
+                      **cfg.attention_kwargs(layer), **extra)
         return o, (k_pages, v_pages)
 
     return attn
@@ -86,8 +88,10 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Buc
     """The model over the ragged batch -> (logits f32[S, V], kv). Per device under shard_map."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
+    alibi = L.model_alibi_slopes(cfg)
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
-                              arrays["q_lens"], arrays["page_table"], cfg)
+                              arrays["q_lens"], arrays["page_table"], cfg,
+                              None if alibi is None else L.local_heads(alibi, tp_axis))
     return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
 
 
@@ -195,7 +199,8 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
-                                                                 kv_dtype=spec.dtype)
+                                                                 kv_dtype=spec.dtype,
+                                                                 alibi=L.model_alibi_slopes(self.cfg) is not None)
         V = self.cfg.vocab_size
         if mesh is None:
             self.kv = kvc.allocate_kv_cache(spec)

@@ -43,9 +43,12 @@ def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
     flat: dict[str, np.ndarray] = {}
     for path, spec in weight_specs(cfg).items():
-        if spec.hf_name not in tensors:
+        name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
+        if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
-        t = tensors[spec.hf_name]
+        t = tensors[name]
+        if spec.hf_take is not None:
+            t = spec.hf_take(t)
         want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
         if tuple(t.shape) != want:
             raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")

@@ -28,6 +28,10 @@ class WeightSpec:
     hf_name: str
     transpose: bool = False        # HF/torch stores linear weights as [out, in]
     init: str = "normal"           # "normal" | "ones" | "zeros" (random init for tests)
+    # The part of the HF tensor that is this weight, taken before the transpose (a fused
+    # q/k/v checkpoint tensor -> its q, k or v rows); None: the whole tensor.
+    hf_take: Callable[[np.ndarray], np.ndarray] | None = None
+    hf_alt: str | None = None      # the name other writers use (e.g. without the base prefix)
 
 
 MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]   # x [T, K], w [K, N] -> [T, N]

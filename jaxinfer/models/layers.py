@@ -22,12 +22,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies [head_dim // 2] (float32), with llama3/linear scaling.
+def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
+    """Inverse rotary frequencies [dim // 2] (float32), with llama3/linear scaling. ``dim``:
+    the rotated features per head (partial rotary, GPT-NeoX), by default all of head_dim.
 
     Computed in numpy at trace time: they are constants of the model, folded into the step.
     """
-    dim = cfg.head_dim
+    dim = dim or cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     inv = inv.astype(np.float32)
     rs = cfg.rope_scaling
@@ -69,12 +70,67 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * c + rotated * s
 
 
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim]: rotary on the first rotary_dim
+    features of each head, the rest passed through (GPT-NeoX's rotary_pct)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], axis=-1)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: float) -> jax.Array:
+    """x [..., D]: LayerNorm (mean and variance in float32, as torch's on float32 input)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
+    return y if bias is None else y + bias
+
+
+def alibi_slopes(num_heads: int, rule: str, bias_max: float = 8.0) -> np.ndarray:
+    """ALiBi slopes f32[num_heads]: head h adds slope[h] * (key position - query position)
+    to its scores. For a power-of-two head count both rules give 2 ** (-8 (h + 1) / H);
+    otherwise "bloom" appends every other slope of the next power of two, "mpt" interleaves
+    the next power of two's slopes (each as transformers builds them)."""
+    if rule == "bloom":
+        p2 = 1 << (num_heads.bit_length() - 1)                      # largest power of 2 <= H
+        s = [2.0 ** (-8.0 * (i + 1) / p2) for i in range(p2)]
+        s += [2.0 ** (-4.0 * (2 * i + 1) / p2) for i in range(num_heads - p2)]
+        return np.asarray(s, np.float32)
+    p2 = 1 << (num_heads - 1).bit_length()                          # smallest power of 2 >= H
+    s = 1.0 / np.power(2.0, np.arange(1, p2 + 1) * (bias_max / p2))
+    if p2 != num_heads:
+        s = np.concatenate([s[1::2], s[::2]])[:num_heads]
+    return s.astype(np.float32)
+
+
+def model_alibi_slopes(cfg: ModelConfig) -> np.ndarray | None:
+    """f32[num_heads] for an ALiBi model (BLOOM, MPT: models/gpt.py), else None."""
+    g = cfg.gpt
+    if g is None or g.positions != "alibi":
+        return None
+    return alibi_slopes(cfg.num_heads, g.alibi, g.alibi_bias_max)
+
+
+def local_heads(values: np.ndarray, axis: str | None) -> jax.Array:
+    """A per-head constant [H] -> this device's heads [H / tp] under tensor parallelism
+    (heads are split in order over the mesh's model axis), the whole of it without."""
+    if axis is None:
+        return jnp.asarray(values)
+    n = values.shape[0] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(values), jax.lax.axis_index(axis) * n, n)
+
+
 def activation(name: str, x: jax.Array) -> jax.Array:
+    """The MLP activation by its HF name (config.ACTIVATIONS)."""
     if name == "silu":
         return jax.nn.silu(x)
     if name == "gelu":
         return jax.nn.gelu(x, approximate=False)
-    return jax.nn.gelu(x, approximate=True)   # gelu_pytorch_tanh
+    if name == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=True)   # gelu_pytorch_tanh, gelu_new
 
 
 def all_reduce(x: jax.Array, axis: str | None) -> jax.Array:

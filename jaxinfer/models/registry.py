@@ -8,9 +8,12 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from jaxinfer.config import LLAMA_FAMILY, ModelConfig
+from jaxinfer.models.gpt import GptForCausalLM
+from jaxinfer.models.gpt_config import GPT_FAMILY
 from jaxinfer.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
+_REGISTRY.update({name: GptForCausalLM for name in GPT_FAMILY})
 
 
 def register(name: str, cls: type) -> None:

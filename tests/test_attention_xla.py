@@ -91,8 +91,9 @@ def make_case(seqs: list[Seq], num_decode: int, prefill_chunk: int, *, page_size
                 prefill_chunk, seq_kv)
 
 
-def dense_numpy(c: Case, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
-    """Per sequence, contiguous K/V, float64, HF-style repeat_kv."""
+def dense_numpy(c: Case, *, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None) -> np.ndarray:
+    """Per sequence, contiguous K/V, float64, HF-style repeat_kv; ALiBi as BLOOM adds it
+    (slope * key position: a per-row constant away from slope * (key - query position))."""
     T, H, D = c.q.shape
     KVH = c.k_pages.shape[2]
     G = H // KVH
@@ -109,6 +110,8 @@ def dense_numpy(c: Case, *, sm_scale, sliding_window=None, soft_cap=None) -> np.
             s = soft_cap * np.tanh(s / soft_cap)
         pos = kl - ql + np.arange(ql)
         kv = np.arange(kl)
+        if alibi_slopes is not None:
+            s = s + np.asarray(alibi_slopes, np.float64)[:, None, None] * kv[None, None, :]
         ok = kv[None, :] <= pos[:, None]
         if sliding_window is not None:
             ok &= kv[None, :] > pos[:, None] - sliding_window
@@ -380,3 +383,48 @@ def test_cpp_kernel_errors_name_the_problem():
         cpp(*args[:3], args[3] + 1000, *args[4:], **kw).block_until_ready()
     with pytest.raises(Exception, match="q_len / kv_len is out of range"):
         cpp(*args[:4], args[4] + 1, args[5], **kw).block_until_ready()
+
+
+def test_alibi_matches_reference_and_dense():
+    """ALiBi (BLOOM / MPT): the fast path and the reference add slope * (key - query
+    position) per head; the dense float64 check adds BLOOM's slope * key position."""
+    from jaxinfer.models.layers import alibi_slopes
+
+    c = make_case(MIX, 4, 48, page_size=16, heads=8, kv_heads=8, head_dim=64, seed=11)
+    kw = dict(sm_scale=0.125, alibi_slopes=jnp.asarray(alibi_slopes(8, "bloom")))
+    out, r = run_both(c, "xla", **kw)
+    d = dense_numpy(c, **dict(kw, alibi_slopes=np.asarray(kw["alibi_slopes"])))
+    np.testing.assert_allclose(r, d, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, r, atol=1e-5, rtol=1e-5)
+    plain, _ = run_both(c, "xla", sm_scale=0.125)
+    assert np.abs(plain - out).max() > 1e-2          # the slopes change the result
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected \[8\]"):
+        run_both(c, "xla", sm_scale=0.125, alibi_slopes=jnp.ones(4))
+
+
+def test_alibi_slopes_follow_transformers():
+    """Power-of-two head counts: 2^(-8(h+1)/H) for both rules; otherwise BLOOM's and MPT's
+    own constructions (as transformers builds them)."""
+    from jaxinfer.models.layers import alibi_slopes
+
+    np.testing.assert_allclose(alibi_slopes(4, "bloom"), [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
+    np.testing.assert_allclose(alibi_slopes(4, "mpt"), alibi_slopes(4, "bloom"))
+    torch = pytest.importorskip("torch")
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    for h in (6, 12, 20):
+        np.testing.assert_allclose(alibi_slopes(h, "bloom"), _get_alibi_slopes(h, torch.device("cpu")).numpy(),
+                                   rtol=1e-6)
+        mpt = build_mpt_alibi_tensor(h, 2)[:, 0, 0].numpy()        # position -1: -slope
+        np.testing.assert_allclose(alibi_slopes(h, "mpt"), -mpt, rtol=1e-6)
+
+
+def test_alibi_falls_back_to_the_jnp_path():
+    from jaxinfer.attention import dispatch
+
+    assert dispatch.select("auto", "cpu", alibi=True) == ("xla", ragged_paged_attention)
+    assert dispatch.select("auto", "tpu", alibi=True)[0] == "xla"
+    for name in ("cpp", "pallas"):
+        with pytest.raises(ValueError, match=f"attention: '{name}' does not take ALiBi slopes"):
+            dispatch.select(name, "cpu", alibi=True)

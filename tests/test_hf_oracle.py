@@ -67,6 +67,26 @@ FAMILIES: list[Family] = [
     Family("qwen2", _cfg("Qwen2Config")),
     Family("qwen3", _cfg("Qwen3Config", head_dim=32)),
 ]
+# The GPT-style families (models/gpt.py), each with its own config field names; the
+# variants of each (post-norm OPT, old Falcon, multi-head BigCode, ...) are checked against
+# HF's logits in tests/test_gpt_families.py.
+_GPT = dict(vocab_size=TINY["vocab_size"], bos_token_id=1, eos_token_id=2)
+FAMILIES += [
+    Family("gpt2", lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **_GPT)),
+    Family("gpt-neox-partial-rotary", lambda: transformers.GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        rotary_pct=0.5, max_position_embeddings=256, **_GPT)),
+    Family("opt", lambda: transformers.OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 ffn_dim=128, max_position_embeddings=256, **_GPT)),
+    Family("bloom-alibi", lambda: transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **_GPT)),
+    Family("falcon-new-arch-gqa", lambda: transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, max_position_embeddings=256, **_GPT)),
+    Family("gpt-bigcode-mqa", lambda: transformers.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4,
+                                                                   n_positions=256, **_GPT)),
+    Family("mpt-alibi", lambda: transformers.MptConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=256,
+                                                       **_GPT)),
+]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -118,6 +138,7 @@ class Run:
     preemptions: int
     max_prefill_chunks: int        # prefill pieces in one step (>1: prompts packed / chunked)
     free_pages_ok: bool
+    compiles: int = 0              # XLA compiles during the run (after the engine's warm-up)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], seed: int) -> Run:
@@ -139,6 +160,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], 
 
     engine.runner.dispatch = counting_dispatch
     pre0 = engine.stats()["num_preemptions_total"]
+    from test_engine import COMPILES
+
+    COMPILES.count, COMPILES.active = 0, True
     try:
         outs, i = {}, 0
         while i < len(reqs) or engine.has_unfinished():
@@ -152,9 +176,10 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], 
                     outs[o.request_id] = o
     finally:
         del engine.runner.dispatch
+        COMPILES.active = False
     st = engine.stats()
     return Run(outs, st["num_preemptions_total"] - pre0, max(chunks),
-               st["num_free_pages"] == st["num_total_pages"])
+               st["num_free_pages"] == st["num_total_pages"], COMPILES.count)
 
 
 def compare_with_hf(hf_model, run: Run, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
@@ -194,6 +219,7 @@ def check_run(run: Run, n_prompts: int) -> None:
     assert run.preemptions > 0, "the test meant to force preemption (KV pool too small)"
     assert run.max_prefill_chunks >= 2, "the test meant steps with several prefill pieces"
     assert run.free_pages_ok, "leaked KV pages"
+    assert run.compiles == 0, f"{run.compiles} XLA compiles after the engine's warm-up"
 
 
 # ----------------------------------------------------------------------------- tiny families

@@ -22,8 +22,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="no C++ compiler to build the kernels with")
+pytestmark = [pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                 reason="no C++ compiler to build the kernels with"),
+              pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                                 reason="needs the git checkout to list the source files")]
 
 # Run inside the fresh venv, from a directory outside the source tree: which files are
 # imported, does each kernel build from the installed sources, which ones does the engine use.
@@ -51,9 +53,18 @@ def test_wheel_installs_outside_the_tree_and_builds_every_kernel(tmp_path):
     # No PYTHONPATH anywhere: with the source tree on it, pip would take the build's
     # jaxinfer.egg-info there for an installed jaxinfer and skip the install.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    # Build from a clean copy of the source files: a stale build/ in the tree (an earlier
+    # build) would put files into the wheel that the package data no longer names.
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                           cwd=ROOT, check=True, capture_output=True, text=True).stdout.split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheels), str(ROOT)], check=True, capture_output=True, text=True,
+                    "-w", str(wheels), str(src)], check=True, capture_output=True, text=True,
                    cwd=tmp_path, env=env)
     (wheel,) = wheels.glob("jaxinfer-*.whl")
 

@@ -1,7 +1,8 @@
 """Serving benchmark, in the manner of ``vllm bench serve``.
 
-Sends streamed requests to an OpenAI-compatible server (jaxinfer serve, or any other)
-and reports time to first token (TTFT), time per output token (TPOT), inter-token
+The MT-Bench prompts and the rate sweep of ``jaxinfer bench serve`` (whose load generator
+and report this calls: ``jaxinfer/bench/``). Sends streamed requests to an
+OpenAI-compatible server (jaxinfer serve, or any other) and reports time to first token (TTFT), time per output token (TPOT), inter-token
 latency (ITL) and end-to-end latency (mean / median / p99), plus request and token
 throughput.
 
@@ -28,27 +29,18 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:          # `python benchmarks/serve.py` from the repo root
+    sys.path.insert(0, REPO)
+
+from jaxinfer.bench import report  # noqa: E402
+from jaxinfer.bench import serve as bench_serve  # noqa: E402
+from jaxinfer.bench.datasets import BenchRequest  # noqa: E402
+
 DEFAULT_DATASET = os.path.join(REPO, "..", "shared", "data", "mt_bench_questions.jsonl")
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0                # seconds
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
 
 
 # ---------------------------------------------------------------------- prompts
@@ -77,153 +69,24 @@ def load_prompts(path: str | None, n: int, seed: int) -> tuple[list[str], str]:
     return [prompts[order[i % len(order)]] for i in range(n)], source
 
 
-# ---------------------------------------------------------------------- one request
-
-async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> RequestResult:
-    body: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    if args.endpoint == "chat":
-        path = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        path = "/v1/completions"
-        body["prompt"] = prompt
-    res = RequestResult(ok=False)
-    t0 = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = str(chunk["error"])[:200]
-                    return res
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if not _has_text(chunk):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
-        res.latency = time.perf_counter() - t0
-        res.ok = last is not None
-        if not res.ok:
-            res.error = "no text streamed"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def _has_text(chunk: dict) -> bool:
-    for c in chunk.get("choices") or []:
-        if c.get("text") or (c.get("delta") or {}).get("content"):
-            return True
-    return False
-
-
 # ---------------------------------------------------------------------- one run
 
 async def run_benchmark(args: argparse.Namespace, prompts: list[str], rate: float) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    rng = random.Random(args.seed)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
-        if args.model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            args.model = r.json()["data"][0]["id"]
-        if args.warmup:
-            await asyncio.gather(*(send_one(client, args, p) for p in prompts[:args.warmup]))
-
-        async def limited(p: str) -> RequestResult:
-            if sem is None:
-                return await send_one(client, args, p)
-            async with sem:
-                return await send_one(client, args, p)
-
-        tasks = []
-        t_start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            tasks.append(asyncio.create_task(limited(p)))
-            if math.isfinite(rate) and i < len(prompts) - 1:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t_start
-    return summarize(results, duration, rate, args)
-
-
-def _stats(xs: list[float], scale: float = 1000.0) -> dict:
-    if not xs:
-        return {"mean": None, "median": None, "p99": None}
-    s = sorted(xs)
-    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
-    return {"mean": statistics.fmean(s) * scale, "median": statistics.median(s) * scale, "p99": p99 * scale}
-
-
-def summarize(results: list[RequestResult], duration: float, rate: float, args: argparse.Namespace) -> dict:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            key = r.error.split(":")[0] if r.error else "unknown"
-            errors[key] = errors.get(key, 0) + 1
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "request_rate": "inf" if not math.isfinite(rate) else rate,
-        "max_concurrency": args.max_concurrency,
-        "num_prompts": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "duration_s": duration,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
-        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
-        "ttft_ms": _stats([r.ttft for r in ok]),
-        "tpot_ms": _stats(tpot),
-        "itl_ms": _stats([x for r in ok for x in r.itl]),
-        "e2e_latency_ms": _stats([r.latency for r in ok]),
-    }
+    """One run at ``rate``, by ``jaxinfer bench serve``'s load generator and report."""
+    reqs = [BenchRequest(p, args.max_tokens) for p in prompts]
+    results, duration, args.model = await bench_serve.run(
+        args.base_url, reqs, model=args.model, endpoint=args.endpoint, rate=rate,
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        seed=args.seed, api_key=args.api_key, timeout=args.timeout, warmup=args.warmup)
+    s = report.summarize(results, duration, percentiles=(99,))
+    s.update(request_rate="inf" if not math.isfinite(rate) else rate, max_concurrency=args.max_concurrency,
+             num_prompts=len(results))
+    return s
 
 
 def print_summary(s: dict) -> None:
-    def f(x: Any) -> str:
-        return "n/a" if x is None else f"{x:.2f}"
-
-    print("=" * 56)
-    print(f"request rate: {s['request_rate']}  max concurrency: {s['max_concurrency'] or 'none'}")
-    print(f"{'successful requests':<36}{s['completed']:>10}")
-    print(f"{'failed requests':<36}{s['failed']:>10}  {s['errors'] or ''}")
-    print(f"{'benchmark duration (s)':<36}{s['duration_s']:>10.2f}")
-    print(f"{'total input tokens':<36}{s['total_input_tokens']:>10}")
-    print(f"{'total generated tokens':<36}{s['total_output_tokens']:>10}")
-    print(f"{'request throughput (req/s)':<36}{s['request_throughput']:>10.2f}")
-    print(f"{'output token throughput (tok/s)':<36}{s['output_throughput']:>10.2f}")
-    print(f"{'total token throughput (tok/s)':<36}{s['total_token_throughput']:>10.2f}")
-    for key, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E")):
-        st = s[key]
-        print(f"{title + ' (ms) mean / median / p99':<36}{f(st['mean']):>10} {f(st['median']):>9} {f(st['p99']):>9}")
-    print("=" * 56)
+    print(report.format_table(s, f"request rate {s['request_rate']}, max concurrency "
+                                 f"{s['max_concurrency'] or 'none'}"))
 
 
 # ---------------------------------------------------------------------- plot

@@ -1,4 +1,4 @@
-"""``jaxinfer`` command line: generate, convert, serve.
+"""``jaxinfer`` command line: generate, convert, serve, bench.
 
 Config is read here once (flags -> EngineConfig / SamplingParams); nothing below the CLI
 reads environment variables.
@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:   # serving extras missing: the subcommand explains at run time
         pass
     s.set_defaults(func=cmd_serve)
+
+    from jaxinfer.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 

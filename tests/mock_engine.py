@@ -413,31 +413,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve_in_thread(app, startup_timeout: float = 10.0, **uvicorn_config: Any) -> Iterator[str]:
+def serve_in_thread(app, startup_timeout: float = 10.0, **uvicorn_config: Any) -> contextlib.AbstractContextManager[str]:
     """Run ``app`` under a real uvicorn on a free loopback port in a thread; yield its base URL.
     ``uvicorn_config``: more ``uvicorn.Config`` options (e.g. ``http=`` a protocol class)."""
-    import uvicorn
+    from jaxinfer.bench.serve import serve_app_in_thread
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
-                            **uvicorn_config)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    return serve_app_in_thread(app, startup_timeout, graceful_s=2, **uvicorn_config)
 
 
 def _main() -> int:

@@ -74,7 +74,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals in requests/s (default inf: all at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    g.add_argument("--warmup", type=int, default=1, help="requests sent and not counted before timing")
+    g.add_argument("--num-warmups", type=int, default=1, help="requests sent and not counted before timing")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
 
 
@@ -144,7 +144,7 @@ def _run_serve(args: argparse.Namespace, engine: Any, requests: list) -> tuple[l
 
     kw = dict(model=args.served_model, endpoint=args.endpoint, rate=args.request_rate,
               max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
-              seed=args.seed, api_key=args.api_key, timeout=args.timeout, warmup=args.warmup)
+              seed=args.seed, api_key=args.api_key, timeout=args.timeout, warmup=args.num_warmups)
     if args.base_url:
         return asyncio.run(serve.run(args.base_url.rstrip("/"), requests, **kw))
     from jaxinfer.engine.async_engine import AsyncEngine

@@ -35,6 +35,7 @@ import jaxinfer, pallas_kernels, serving
 from pallas_kernels import cpu_attention, cpu_build, cpu_f32_matmul, cpu_matmul
 from jaxinfer.attention import dispatch
 
+cpu_build.build_all_in_background()      # as the engine does at start: all three side by side
 ok = {m.__name__: (m.available(), m.unavailable_reason())
       for m in (cpu_f32_matmul, cpu_matmul, cpu_attention)}
 print(json.dumps({

@@ -38,8 +38,8 @@ FALLBACK = [
 ]
 
 
-def conversations(n: int) -> tuple[list[list[str]], str]:
-    path = C.DATA / "mt_bench_questions.jsonl"
+def conversations(n: int, path) -> tuple[list[list[str]], str]:
+    path = C.Path(path)
     if path.exists():
         rows = [json.loads(x)["turns"][:2] for x in path.read_text().splitlines()]
         return [rows[i % len(rows)] for i in range(n)], str(path)
@@ -56,7 +56,8 @@ def engine_kw(args, **over) -> dict:
     mml = 1024
     kw = dict(dtype="float32", page_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
               max_model_len=mml, num_pages=args.device_pages, decode_buckets=(1, args.max_num_seqs),
-              mixed_decode_buckets=(0, args.max_num_seqs), prefill_buckets=((1, 32), (16, 32)),
+              mixed_decode_buckets=(0, args.max_num_seqs),
+              prefill_buckets=tuple((n, 32) for n in (1, 2, 4, 8, 16)),
               page_buckets=(mml // 16,), compilation_cache_dir=args.compilation_cache)
     kw.update(over)
     return kw
@@ -174,6 +175,8 @@ async def _serve(engine, tok, convs, args) -> dict:
 def main() -> None:
     p = C.base_parser(__doc__)
     p.add_argument("--parts", default="turn2,prefix448,serve")
+    p.add_argument("--mt-bench", default=str(C.DATA / "mt_bench_questions.jsonl"),
+                   help="MT-Bench questions JSONL (default: %(default)s; conversations written here if missing)")
     p.add_argument("--conversations", type=int, default=8, help="turn-2 TTFT: conversations measured")
     p.add_argument("--serve-conversations", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
@@ -204,7 +207,7 @@ def main() -> None:
         eng = Engine(loaded=loaded, progress=False, **engine_kw(args, host_kv_cache_memory=args.host_pages * page_bytes))
         ttft(eng, chat_ids(tok, "warm up"), 2)
     if "turn2" in parts:
-        convs, src = conversations(args.conversations)
+        convs, src = conversations(args.conversations, args.mt_bench)
         r = res["turn2"] = part_turn2(eng, tok, convs, args)
         r["host_tier_pages"] = eng.stats()["host_cache_total_pages"]
         r["source"] = src
@@ -219,7 +222,7 @@ def main() -> None:
         rows.append(("512-token prompt, 448 cached", f"cold {r['cold_s'] * 1e3:.0f} ms, hit {r['hit_s'] * 1e3:.0f} ms "
                      f"({r['ratio']:.2f}x; {r['hit_tokens']} tokens hit; best of 3; workload {w['source']})"))
     if "serve" in parts:
-        convs, src = conversations(args.serve_conversations)
+        convs, src = conversations(args.serve_conversations, args.mt_bench)
         eng = None
         on_eng = Engine(loaded=loaded, progress=False, **engine_kw(args, num_pages=args.serve_pages))
         on = asyncio.run(_serve(on_eng, tok, convs, args))

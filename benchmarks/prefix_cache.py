@@ -135,6 +135,37 @@ def part_prefix448(engine, workload) -> dict:
     return out
 
 
+def part_hostcost(workload, repeats: int = 5) -> dict:
+    """The cache's own cost is host bookkeeping (hashing full pages, lookups, LRU): the
+    throughput workload's scheduling alone (scheduler + block manager, no model; every
+    sampled token a fixed id), caching off vs on, best of ``repeats``: seconds per step."""
+    from jaxinfer.config import SamplingParams
+    from jaxinfer.engine.block_manager import BlockManager
+    from jaxinfer.engine.scheduler import Scheduler
+    from jaxinfer.engine.sequence import make_sequences
+
+    prompts, n_new = workload["throughput"]["prompts"], workload["throughput"]["new_tokens"]
+    out = {}
+    for on in (False, True, False, True):
+        best, steps = float("inf"), 0
+        for _ in range(repeats):
+            sched = Scheduler(BlockManager(32 * 32 + 8, 16, on), 32, 512, 512)
+            for i, p in enumerate(prompts):
+                sched.add(make_sequences(f"r{i}", p, SamplingParams(max_tokens=n_new, ignore_eos=True)))
+            t0, steps = time.perf_counter(), 0
+            while sched.has_unfinished():
+                o = sched.schedule()
+                for s in sched.postprocess(o, {e.seq.seq_id: 1000 + steps % 7 for e in o.scheduled}):
+                    if s.num_output_tokens >= n_new:
+                        sched.finish(s, "length")
+                steps += 1
+            best = min(best, time.perf_counter() - t0)
+        key = "on" if on else "off"
+        out[key] = min(out.get(key, float("inf")), best / steps)
+    out["added_us_per_step"] = (out["on"] - out["off"]) * 1e6
+    return out
+
+
 async def _serve(engine, tok, convs, args) -> dict:
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.async_engine import AsyncEngine
@@ -174,7 +205,7 @@ async def _serve(engine, tok, convs, args) -> dict:
 
 def main() -> None:
     p = C.base_parser(__doc__)
-    p.add_argument("--parts", default="turn2,prefix448,serve")
+    p.add_argument("--parts", default="turn2,prefix448,serve,hostcost")
     p.add_argument("--mt-bench", default=str(C.DATA / "mt_bench_questions.jsonl"),
                    help="MT-Bench questions JSONL (default: %(default)s; conversations written here if missing)")
     p.add_argument("--conversations", type=int, default=8, help="turn-2 TTFT: conversations measured")
@@ -221,6 +252,11 @@ def main() -> None:
         r = res["prefix448"] = part_prefix448(eng, w)
         rows.append(("512-token prompt, 448 cached", f"cold {r['cold_s'] * 1e3:.0f} ms, hit {r['hit_s'] * 1e3:.0f} ms "
                      f"({r['ratio']:.2f}x; {r['hit_tokens']} tokens hit; best of 3; workload {w['source']})"))
+    if "hostcost" in parts:
+        r = res["hostcost"] = part_hostcost(w)
+        rows.append(("host bookkeeping per step (throughput workload)",
+                     f"cache off {r['off'] * 1e6:.0f} us, on {r['on'] * 1e6:.0f} us "
+                     f"({r['added_us_per_step']:+.0f} us per step; scheduler + block manager only)"))
     if "serve" in parts:
         convs, src = conversations(args.serve_conversations, args.mt_bench)
         eng = None

@@ -127,9 +127,13 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
 
     # Per-step bucket and time (dispatch to fetched result), for the breakdown. The engine
     # calls dispatch or dispatch_multi, then fetch, one step at a time on one replica.
-    def timed_dispatch(batch, t, *k):
-        pending.append((batch, k[0] if k else 1, time.perf_counter()))
-        return (dispatch_multi if k else dispatch)(batch, t, *k)
+    def timed_dispatch(batch, t, *extra):
+        pending.append((batch, 1, time.perf_counter()))
+        return dispatch(batch, t, *extra)
+
+    def timed_dispatch_multi(batch, t, k):
+        pending.append((batch, k, time.perf_counter()))
+        return dispatch_multi(batch, t, k)
 
     def timed_fetch(h):
         out = fetch(h)
@@ -138,7 +142,7 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
                           k * sum(e.num_new_tokens for _, e in batch.entries), k))
         return out
 
-    runner.dispatch, runner.dispatch_multi, runner.fetch = timed_dispatch, timed_dispatch, timed_fetch
+    runner.dispatch, runner.dispatch_multi, runner.fetch = timed_dispatch, timed_dispatch_multi, timed_fetch
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp)
     secs = time.perf_counter() - t0

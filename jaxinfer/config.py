@@ -130,6 +130,13 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_rope(self, layer: int) -> tuple[float, "RopeScaling | None"]:
+        """(rotary base, scaling) of layer ``layer``: sliding layers use ``rope_local_theta``
+        unscaled when it is set (Gemma 3), every other layer rope_theta / rope_scaling."""
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     def attention_kwargs(self, layer: int) -> dict[str, Any]:
         """The static keyword arguments every attention implementation takes for ``layer``
         (attention/xla.py's signature): the one place a layer's attention options are read."""

@@ -368,9 +368,17 @@ def test_k_quants_match_transformers_dequantizer(gemma_gguf):
 
 
 @pytest.mark.slow
-def test_real_unsupported_architecture(gemma_gguf):
-    with pytest.raises(ValueError, match="'gemma3'"):
-        load_gguf(gemma_gguf)
+def test_real_gemma3_config_from_metadata(gemma_gguf):
+    """What llama.cpp's gemma3 loader fixes rather than stores is filled in (the model
+    itself is checked against transformers in tests/test_gemma3_real.py)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.loading.gguf import read_gguf_config
+
+    cfg = ModelConfig.from_hf(read_gguf_config(gemma_gguf))
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.num_layers == 18
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert cfg.sliding_window == 512 and cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6
+    assert cfg.sm_scale == 256 ** -0.5 and cfg.hidden_act == "gelu_pytorch_tanh"
 
 
 @pytest.fixture(scope="module")

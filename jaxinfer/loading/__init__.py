@@ -65,6 +65,9 @@ def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = 
     if mesh is None:
         return params_from_flat(cfg, flat, dtype)
     tp = sharding.tp_size(mesh)
+    if tp > 1 and not getattr(model_class(cfg.architecture), "tensor_parallel", True):
+        raise ValueError(f"tensor_parallel_size: {cfg.architecture} does not support tensor "
+                         f"parallelism yet (got {tp}); use 1")
     sharding.check_tensor_parallel(cfg, tp)
     return params_from_flat(sharding.sharded_config(cfg, tp), sharding.replicate_kv_heads(cfg, flat, tp),
                             dtype, sharding.placer(mesh))

@@ -31,6 +31,7 @@ SUPPORTED_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # GGUF tensor name -> HF name. `{i}` is the layer; `.weight` / `.bias` suffixes carry over.
@@ -52,6 +53,50 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture renames on top of _LAYER_NAMES (Gemma 3's four norms per layer).
+_ARCH_LAYER_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights as w + 1 (what the kernel multiplies
+# by); HF keeps w and adds 1 in the forward. Loading undoes it (as transformers' own GGUF
+# loader does), so every checkpoint reaches the model in HF's convention.
+_NORM_PLUS_ONE = ("gemma3",)
+# Gemma 3's chat template (the text turns of google/gemma-3's tokenizer_config.json): llama.cpp
+# files often carry none, and llama.cpp then formats Gemma chats this same way.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+_DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 # Consumed into the config (llama3 rotary scaling factors), not a model weight.
@@ -79,6 +124,8 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
     infos = {t.name: t for t in reader.tensors}
     _check_types(path, reader.tensors)
     config = _config(path, arch, meta, infos)
+    if arch in _DEFAULT_CHAT_TEMPLATES and not meta.get("tokenizer.chat_template"):
+        meta["tokenizer.chat_template"] = _DEFAULT_CHAT_TEMPLATES[arch]
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     config["vocab_size"] = config.get("vocab_size") or tokenizer.vocab_size
 
@@ -86,7 +133,7 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
     for name in infos:
         if name == _ROPE_FREQS:
             continue
-        names[name] = _hf_name(path, name, config["num_hidden_layers"])
+        names[name] = _hf_name(path, name, config["num_hidden_layers"], arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permute = arch == "llama"
 
@@ -94,6 +141,8 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
         w = _dequantize(infos[name])
         if permute and (".attn_q." in name or ".attn_k." in name):
             w = _unpermute_rows(w, heads if ".attn_q." in name else kv_heads)
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            w = w.astype(np.float32) - np.float32(1.0)
         w = w.astype(dtype, copy=False)
         # F32 tensors come back as views of the read-only mmap; own the memory instead.
         if not (w.flags.writeable and w.flags.c_contiguous):
@@ -202,18 +251,19 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(path: str, name: str, num_layers: int) -> str:
+def _hf_name(path: str, name: str, num_layers: int, arch: str = "llama") -> str:
     m = _LAYER_RE.match(name)
     if m:
         layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
-        if part in _LAYER_NAMES and layer < num_layers:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        if part in names and layer < num_layers:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     else:
         m = _GLOBAL_RE.match(name)
         if m and m.group(1) in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     raise ValueError(f"{path}: unexpected tensor {name!r} (not part of a supported "
-                     "llama/qwen2/qwen3 decoder)")
+                     f"{'/'.join(SUPPORTED_ARCHS)} decoder)")
 
 
 def _check_shapes(path: str, c: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -223,6 +273,7 @@ def _check_shapes(path: str, c: dict, tensors: dict[str, np.ndarray]) -> None:
             "lm_head.weight": (c["vocab_size"], d)}
     per_layer = {
         "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,),
         "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
         "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
         "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
@@ -242,6 +293,11 @@ def _check_shapes(path: str, c: dict, tensors: dict[str, np.ndarray]) -> None:
                   "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                   "mlp.down_proj.weight")]
+    if c.get("architectures") == ["Gemma3ForCausalLM"]:
+        required += [f"model.layers.{i}.{k}" for i in range(c["num_hidden_layers"])
+                     for k in ("self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                               "pre_feedforward_layernorm.weight",
+                               "post_feedforward_layernorm.weight")]
     if c.get("architectures") == ["Qwen3ForCausalLM"]:
         required += [f"model.layers.{i}.self_attn.{k}_norm.weight"
                      for i in range(c["num_hidden_layers"]) for k in "qk"]
@@ -309,7 +365,33 @@ def _config(path: str, arch: str, meta: dict, infos: dict) -> dict:
     scaling = _rope_scaling(path, arch, meta, infos, theta, head_dim)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(path, meta, cfg))
     return cfg
+
+
+def _gemma3_config(path: str, meta: dict, cfg: dict) -> dict:
+    """What llama.cpp's gemma3 loader fixes rather than stores: every 6th layer global
+    (unless the file lists the pattern), local rotary base 10000, softmax scale 1/sqrt of
+    head_dim (of hidden/heads for the 62-layer 27B), gelu-tanh MLP."""
+    n = cfg["num_hidden_layers"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):      # per-layer flags: true = sliding
+        if len(pattern) != n:
+            raise ValueError(f"{path}: gemma3.attention.sliding_window_pattern has {len(pattern)} "
+                             f"entries for {n} layers")
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        p = int(pattern)
+        types = ["sliding_attention" if p and (i + 1) % p else "full_attention" for i in range(n)]
+    qpas = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
+    out = {"layer_types": types, "query_pre_attn_scalar": qpas,
+           "rope_local_base_freq": _f32(meta.get("gemma3.rope.local.freq_base", 10000.0)),
+           "hidden_activation": "gelu_pytorch_tanh"}
+    window = meta.get("gemma3.attention.sliding_window")
+    if window is not None:
+        out["sliding_window"] = int(window)
+    return out
 
 
 def _opt_int(v: Any) -> int | None:

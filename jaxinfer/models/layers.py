@@ -22,16 +22,30 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
-    """Inverse rotary frequencies [dim // 2] (float32), with llama3/linear scaling. ``dim``:
-    the rotated features per head (partial rotary, GPT-NeoX), by default all of head_dim.
+def rms_norm_plus_one(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: scale by (1 + weight), all in float32, then cast (HF Gemma3RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping); identity for None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> np.ndarray:
+    """Inverse rotary frequencies [dim // 2] (float32) of ``layer``, with llama3/linear
+    scaling. ``dim``: the rotated features per head (partial rotary, GPT-NeoX), by default
+    all of head_dim. ``layer``: ModelConfig.layer_rope (Gemma 3's sliding layers have their
+    own base, unscaled).
 
     Computed in numpy at trace time: they are constants of the model, folded into the step.
     """
     dim = dim or cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    theta, rs = cfg.layer_rope(layer)
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     inv = inv.astype(np.float32)
-    rs = cfg.rope_scaling
     if rs is None or rs.rope_type == "default":
         return inv
     if rs.rope_type == "linear":

@@ -168,10 +168,17 @@ class LlamaForCausalLM(nnx.Module):
         return L.embed_lookup(self.embed[...], tokens, tp_axis)
 
     def rope(self, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-        """positions i32[T] -> each layer's (cos, sin) [T, head_dim] (one pair shared here)."""
-        # inv_freq is a numpy constant computed at trace time (not a parameter)
-        cs = L.rope_cos_sin(positions, L.rope_inv_freq(self.cfg))
-        return [cs] * self.cfg.num_layers
+        """positions i32[T] -> each layer's (cos, sin) [T, head_dim], computed once per
+        distinct (base, scaling) (ModelConfig.layer_rope)."""
+        cfg, by_params = self.cfg, {}
+        out = []
+        for i in range(cfg.num_layers):
+            key = cfg.layer_rope(i)
+            if key not in by_params:
+                # inv_freq is a numpy constant computed at trace time (not a parameter)
+                by_params[key] = L.rope_cos_sin(positions, L.rope_inv_freq(cfg, layer=i))
+            out.append(by_params[key])
+        return out
 
     def final_logits(self, x: jax.Array, mm: MatmulFn) -> jax.Array:
         """x [S, D] (last hidden states) -> f32[S, V_local]."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from jaxinfer.config import LLAMA_FAMILY, ModelConfig
+from jaxinfer.models.gemma3 import Gemma3ForCausalLM
 from jaxinfer.models.gpt import GptForCausalLM
 from jaxinfer.models.gpt_config import GPT_FAMILY
 from jaxinfer.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
 _REGISTRY.update({name: GptForCausalLM for name in GPT_FAMILY})
+_REGISTRY["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 
 
 def register(name: str, cls: type) -> None:

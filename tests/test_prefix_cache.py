@@ -436,8 +436,8 @@ def test_default_model_multi_turn_token_exact():
     on = Engine(loaded=loaded, progress=False, debug_poison_freed_pages=True,
                 host_kv_cache_memory=64 * off.kv_spec.bytes_per_page, **DEFAULT_MODEL_KW)
     convs = conversations(3)
-    sp1 = SamplingParams(temperature=0, max_tokens=24)
-    sp2 = SamplingParams(temperature=0, max_tokens=12)
+    sp1 = SamplingParams(temperature=0, max_tokens=16)
+    sp2 = SamplingParams(temperature=0, max_tokens=8)
 
     def chat(*turns):
         msgs = [{"role": "system", "content": SYSTEM}]

@@ -71,10 +71,16 @@ def test_cli_errors_name_the_problem(tiny_hf_dir, tmp_path, capsys):
     assert "max_tokens" in capsys.readouterr().err
     bad = tmp_path / "bad"
     bad.mkdir()
+    # an architecture nobody serves: the error names it and lists what is supported
+    (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert main(["generate", "--model", str(bad), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "NoSuchModelForCausalLM" in err and "LlamaForCausalLM" in err and "GPT2LMHeadModel" in err
+    # a supported architecture whose config lacks a required field: the field is named
     (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     assert main(["generate", "--model", str(bad), "hi"]) == 2
     err = capsys.readouterr().err
-    assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err
+    assert "n_embd" in err and "GPT2LMHeadModel" in err
     (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
     assert main(["generate", "--model", str(tmp_path / "x.gguf"), "hi"]) == 2
     assert "x.gguf" in capsys.readouterr().err

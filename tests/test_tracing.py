@@ -28,7 +28,10 @@ from serving.tracing import RequestTracing  # noqa: E402
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+# Greedy: with OpenAI's default temperature 1 the mock samples its continuation, which may
+# reach its EOS before 5 tokens (the test then flaked on the token count).
+CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "temperature": 0}
 
 
 @pytest.fixture(scope="module")

@@ -180,6 +180,28 @@ def test_tiny_engine_matches_reference_with_sampling_features(tiny_engine):
     assert eng.stats()["num_free_pages"] == eng.stats()["num_total_pages"]
 
 
+def test_logprobs_bitwise_identical_alone_and_batched(tiny_engine):
+    """A request's tokens, chosen logprobs and top alternatives are the same bits alone
+    (decode bucket 1) and among 14 others (bucket 8, mixed prefill steps): row reductions
+    run in a fixed order (jaxinfer/reductions.py); XLA's own moved them by an ulp."""
+    eng = tiny_engine
+    rng = np.random.RandomState(5)
+    targets = [rng.randint(3, 49152, size=n).tolist() for n in (20, 45)]
+    tparams = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+               SamplingParams(temperature=1.0, seed=9, max_tokens=16, ignore_eos=True, logprobs=5)]
+    alone = [eng.generate([p], sp)[0].outputs[0] for p, sp in zip(targets, tparams)]
+    others = [rng.randint(3, 49152, size=int(n)).tolist() for n in rng.randint(1, 120, size=14)]
+    oparams = [SamplingParams(temperature=0.7 if i % 2 else 0, max_tokens=int(rng.randint(4, 40)),
+                              seed=i, ignore_eos=True, logprobs=2 if i % 3 else None) for i in range(14)]
+    outs = eng.generate(others[:5] + targets[:1] + others[5:11] + targets[1:] + others[11:],
+                        oparams[:5] + tparams[:1] + oparams[5:11] + tparams[1:] + oparams[11:])
+    for a, b in zip(alone, (outs[5].outputs[0], outs[12].outputs[0])):
+        assert b.token_ids == a.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs] == \
+               [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs]
+    assert any(lp.top[1][1] < -1e-3 for lp in alone[0].logprobs)    # alternatives are not all 0
+
+
 def test_seeded_sampling_reproducible_and_n_samples_differ(tiny_engine):
     # A high temperature: the tiny model's tied, scaled embedding favours repeating its input.
     p = SamplingParams(temperature=4.0, max_tokens=12, seed=42, n=3, ignore_eos=True)

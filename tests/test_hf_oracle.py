@@ -214,6 +214,24 @@ def compare_with_hf(hf_model, run: Run, prompts: list[list[int]], max_tokens: li
     return errors
 
 
+def alone_vs_batched(engine: Engine, run: Run, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
+    """Each greedy request run again alone: its tokens, chosen logprobs and top
+    alternatives must be the same bits as in the batched run (batch invariance) -> a list
+    of differences."""
+    errors = []
+    for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP_LOGPROBS)
+        alone = engine.generate([ids], sp)[0].outputs[0]
+        batched = run.outputs[f"g{i}"].outputs[0]
+        got = [(lp.token_id, lp.logprob, lp.top) for lp in batched.logprobs]
+        want = [(lp.token_id, lp.logprob, lp.top) for lp in alone.logprobs]
+        if batched.token_ids != alone.token_ids or got != want:
+            k = next(j for j, (a, b) in enumerate(zip(got + [None], want + [0])) if a != b)
+            errors.append(f"request {i}: batched differs from alone at position {k}: "
+                          f"{got[k:k + 1]} vs {want[k:k + 1]}")
+    return errors
+
+
 def check_run(run: Run, n_prompts: int) -> None:
     assert len(run.outputs) >= n_prompts
     assert run.preemptions > 0, "the test meant to force preemption (KV pool too small)"
@@ -256,6 +274,8 @@ def test_engine_matches_hf_on_tiny_family(family_models):
     check_run(run, len(prompts))
     errors = compare_with_hf(hf, run, prompts, list(TINY_MAX_TOKENS))
     assert not errors, f"{fam.name}: engine differs from HF transformers:\n" + "\n".join(errors)
+    errors = alone_vs_batched(engine, run, prompts, list(TINY_MAX_TOKENS))
+    assert not errors, f"{fam.name}: logprobs not bitwise batch-invariant:\n" + "\n".join(errors)
 
 
 def test_oracle_catches_an_engine_change(tmp_path, monkeypatch):

@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.reductions import row_sum
 
 TOPK_CAP = 256        # rows with 1 <= top_k <= this choose among top-k candidates
 NUM_PROPOSALS = 4     # nucleus rejection draws checked per row in one pass over the vocab
@@ -532,9 +533,9 @@ def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Arra
 def _logprobs(raw: jax.Array, tok: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
     b = raw.shape[0]
     with jax.named_scope("logprobs"):
-        def lse():
+        def lse():      # summed in a fixed order: the same bits in any block / batch size
             m = jnp.max(raw, axis=-1)
-            return m + jnp.log(jnp.sum(jnp.exp(raw - m[:, None]), axis=-1))
+            return m + jnp.log(row_sum(jnp.exp(raw - m[:, None])))
 
         lse = lax.cond(jnp.any(t.num_logprobs >= 0), lse, lambda: jnp.zeros(b, jnp.float32))
         chosen = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0] - lse

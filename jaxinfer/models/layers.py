@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.reductions import row_sum
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., D]: normalize in float32, scale in x's dtype (as HF's LlamaRMSNorm does)."""
     x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    # a fixed summation order: XLA's own mean would depend on the number of rows T
+    var = row_sum(x32 * x32)[..., None] / x.shape[-1]
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
@@ -81,7 +83,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
-    return x * c + rotated * s
+    return _no_fma(x * c, c) + _no_fma(rotated * s, s)
+
+
+def _no_fma(prod: jax.Array, like: jax.Array) -> jax.Array:
+    """``prod`` unchanged, behind a select LLVM cannot see through (``like == like`` holds
+    for every non-NaN value), so ``a * b + c * d`` is not contracted into an FMA: XLA:CPU
+    contracts one product or the other depending on how the surrounding fusion is emitted,
+    which moved a token's rotated K by an ulp with the number of tokens in its step."""
+    return jnp.where(like == like, prod, jnp.zeros_like(prod))
 
 
 def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

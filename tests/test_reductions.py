@@ -1,0 +1,44 @@
+"""Row reductions in a fixed order (jaxinfer/reductions.py): a row's sum, its RMSNorm and
+its log-softmax are the same bits whatever the number of rows beside it (XLA:CPU's own
+reductions are not: RMSNorm over D = 576 differs for 1-5 rows vs 8 or more)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models import layers as L
+from jaxinfer.reductions import row_sum
+
+ROWS = (1, 2, 3, 5, 8, 9, 17)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 77, 576, 1000])
+def test_row_sum_is_the_sum(n):
+    x = np.random.default_rng(n).normal(size=(3, n)).astype(np.float32)
+    got = np.asarray(jax.jit(row_sum)(x))
+    np.testing.assert_allclose(got, x.astype(np.float64).sum(-1), rtol=0, atol=1e-5 * np.sqrt(n))
+
+
+@pytest.mark.parametrize("d", [64, 576])
+def test_rms_norm_bits_do_not_depend_on_the_rows_beside(d):
+    rng = np.random.default_rng(d)
+    x = jnp.asarray(rng.normal(size=(64, d)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(d,)).astype(np.float32))
+    f = jax.jit(lambda a: L.rms_norm(a, w, 1e-5))
+    full = np.asarray(f(x))
+    for t in ROWS:
+        np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{t} rows")
+    ref = np.asarray(x, np.float64)
+    ref = np.asarray(w, np.float64) * ref / np.sqrt((ref ** 2).mean(-1, keepdims=True) + 1e-5)
+    assert np.abs(full - ref).max() / np.abs(ref).max() < 1e-6
+
+
+def test_row_sum_bits_do_not_depend_on_the_rows_beside():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(17, 49152)).astype(np.float32))
+    f = jax.jit(row_sum)
+    full = np.asarray(f(x))
+    for t in ROWS:
+        np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{t} rows")

@@ -23,45 +23,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mock_engine import MockAsyncEngine, serve_in_thread  # noqa: E402
+from tiny_server import tiny_async_engine  # noqa: E402
 
 from serving.app import build_app  # noqa: E402
 from serving.guard import guarded_h11_protocol, host_name  # noqa: E402
 
 READ_TIMEOUT = 1.0
 CMPL = "/v1/completions"
-# Small ladders: a handful of executables, compiled once per session cache.
-ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=32,
-                 page_buckets=(8,), decode_buckets=(4,), mixed_decode_buckets=(0, 4),
-                 prefill_buckets=((1, 32),))
-
-
-def _tiny_engine():
-    from flax import nnx
-
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.engine.async_engine import AsyncEngine
-    from jaxinfer.engine.engine import Engine
-    from jaxinfer.loading import LoadedModel
-    from jaxinfer.loading.default import default_model_path
-    from jaxinfer.loading.gguf import open_gguf
-    from jaxinfer.loading.tokenizer import Tokenizer
-    from jaxinfer.models.llama import LlamaForCausalLM
-
-    try:
-        tok = Tokenizer.from_gguf_reader(open_gguf(default_model_path()))
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=len(tok), hidden_size=64,
-                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True,
-                      eos_token_ids=tuple(tok.eos_token_ids))
-    loaded = LoadedModel(cfg, LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), tok, {}, "tiny-random-llama")
-    return AsyncEngine(Engine(loaded=loaded, progress=False, **ENGINE_KW))
 
 
 @pytest.fixture(scope="module")
 def server():
-    aeng = _tiny_engine()
+    aeng = tiny_async_engine()
     app = build_app(aeng, allowed_hosts=("localhost", "127.0.0.1", "::1"), read_timeout_s=READ_TIMEOUT)
     with serve_in_thread(app, http=guarded_h11_protocol(READ_TIMEOUT)) as url:
         port = int(url.rsplit(":", 1)[1])

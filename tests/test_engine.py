@@ -255,25 +255,31 @@ def test_limits_and_bad_input(tiny_engine):
     assert eng.stats()["num_free_pages"] == eng.stats()["num_total_pages"]
 
 
-def test_async_engine_streams_and_matches_generate(tiny_engine):
+def stream_through_async_engine(engine: Engine, prompts: list[str], params: SamplingParams):
+    """Each prompt through an AsyncEngine over ``engine``, concurrently -> [(final output,
+    [token ids of every update])] (the updates are cumulative and grow in place: copied)."""
     from jaxinfer.engine.async_engine import AsyncEngine
 
-    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = tiny_engine.generate(["Hello there", "General Kenobi"], p)
-    aeng = AsyncEngine(tiny_engine)
+    aeng = AsyncEngine(engine)
 
     async def one(prompt, rid):
-        texts = []
-        async for out in aeng.generate(prompt, p, rid):
-            texts.append(out.outputs[0].text)
-        return out, texts
+        seen = []
+        async for out in aeng.generate(prompt, params, rid):
+            seen.append(list(out.outputs[0].token_ids))
+        return out, seen
 
     async def main():
-        res = await asyncio.gather(one("Hello there", "a"), one("General Kenobi", "b"))
+        res = await asyncio.gather(*(one(p, f"stream{i}") for i, p in enumerate(prompts)))
         await aeng.shutdown()
         return res
 
-    res = asyncio.run(main())
-    for (final, texts), w in zip(res, want):
+    return asyncio.run(main())
+
+
+def test_async_engine_streams_and_matches_generate(tiny_engine):
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["Hello there", "General Kenobi"]
+    want = tiny_engine.generate(prompts, p)
+    for (final, seen), w in zip(stream_through_async_engine(tiny_engine, prompts, p), want):
         assert final.finished and final.outputs[0].token_ids == w.outputs[0].token_ids
-        assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+        assert all(seen[i + 1][:len(seen[i])] == seen[i] for i in range(len(seen) - 1))

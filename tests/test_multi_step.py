@@ -13,7 +13,7 @@ import pytest
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 
-from test_engine import run_with_arrivals, tiny_loaded
+from test_engine import run_with_arrivals, stream_through_async_engine, tiny_loaded
 
 STEPS = 4
 # Small ladders: few executables to compile (a multi-step one per decode bucket).
@@ -155,26 +155,10 @@ def test_num_scheduler_steps_validated():
 def test_async_engine_streams_multi_step_runs(multi, single):
     """The server's path: AsyncEngine over a multi-step engine streams cumulative outputs
     (several tokens per update) that end in the single-step engine's tokens."""
-    import asyncio
-
-    from jaxinfer.engine.async_engine import AsyncEngine
-
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = single.generate(["Hello there", "General Kenobi"], p)
-    aeng = AsyncEngine(multi)
-
-    async def one(prompt, rid):
-        seen = []
-        async for out in aeng.generate(prompt, p, rid):
-            seen.append(list(out.outputs[0].token_ids))
-        return out, seen
-
-    async def main():
-        res = await asyncio.gather(one("Hello there", "s1"), one("General Kenobi", "s2"))
-        await aeng.shutdown()
-        return res
-
-    for (final, seen), w in zip(asyncio.run(main()), want):
+    prompts = ["Hello there", "General Kenobi"]
+    want = single.generate(prompts, p)
+    for (final, seen), w in zip(stream_through_async_engine(multi, prompts, p), want):
         assert final.finished and final.outputs[0].token_ids == w.outputs[0].token_ids
         assert all(seen[i + 1][:len(seen[i])] == seen[i] for i in range(len(seen) - 1))
         assert len(seen) < 10, "multi-step runs deliver several tokens per update"

@@ -7,6 +7,7 @@ advance (``MockAsyncEngine.expected_text``), so every answer is checked exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -522,19 +523,27 @@ def _start_mock_server(*args):
     return proc, url
 
 
+@contextlib.contextmanager
+def _stream_then_sigterm(proc, url: str, max_tokens: int):
+    """A completion stream to the server ``proc``; SIGTERM once its first chunk is in ->
+    the stream's remaining lines."""
+    with httpx.Client(timeout=10) as c, \
+            c.stream("POST", url + "/v1/completions", json={"prompt": "bye", "max_tokens": max_tokens,
+                                                            "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        proc.send_signal(signal.SIGTERM)
+        yield lines
+
+
 def test_sigterm_finishes_in_flight_then_exits_0():
     proc, url = _start_mock_server("--step-time", "0.01", "--shutdown-timeout", "10")
     try:
-        with httpx.Client(timeout=10) as c:
-            with c.stream("POST", url + "/v1/completions", json={"prompt": "bye", "max_tokens": 40,
-                                                                 "stream": True, "ignore_eos": True}) as r:
-                lines = r.iter_lines()
-                next(line for line in lines if line.startswith("data: "))
-                proc.send_signal(signal.SIGTERM)
-                time.sleep(0.2)
-                with pytest.raises(httpx.ConnectError):     # no longer accepting
-                    httpx.get(url + "/health", timeout=1)
-                events = sse_events(lines)
+        with _stream_then_sigterm(proc, url, max_tokens=40) as lines:
+            time.sleep(0.2)
+            with pytest.raises(httpx.ConnectError):     # no longer accepting
+                httpx.get(url + "/health", timeout=1)
+            events = sse_events(lines)
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=10) == 0
@@ -546,18 +555,13 @@ def test_sigterm_cancels_in_flight_after_timeout_then_exits_0():
     proc, url = _start_mock_server("--step-time", "0.01", "--shutdown-timeout", "0.5")
     try:
         t0 = time.monotonic()
-        with httpx.Client(timeout=10) as c:
-            with c.stream("POST", url + "/v1/completions", json={"prompt": "bye", "max_tokens": 400,
-                                                                 "stream": True, "ignore_eos": True}) as r:
-                lines = r.iter_lines()
-                next(line for line in lines if line.startswith("data: "))
-                proc.send_signal(signal.SIGTERM)
-                events = []                 # kept as they come: the server may cut mid-chunk
-                try:
-                    for line in lines:
-                        events += sse_events([line])
-                except httpx.HTTPError:
-                    pass
+        with _stream_then_sigterm(proc, url, max_tokens=400) as lines:
+            events = []                 # kept as they come: the server may cut mid-chunk
+            try:
+                for line in lines:
+                    events += sse_events([line])
+            except httpx.HTTPError:
+                pass
         assert "[DONE]" not in events
         # cancelled, not finished: far fewer than the 400 tokens, none with a finish reason
         chunks = [e for e in events if isinstance(e, dict)]

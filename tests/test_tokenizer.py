@@ -270,12 +270,26 @@ def test_unsupported_tokenizers_named():
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
 
 
+def _write_tokenizer_gguf(path, fill) -> None:
+    """A GGUF file with a one-layer llama header and no tensors; ``fill(writer)`` adds the
+    tokenizer fields."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
+                 ("feed_forward_length", 16), ("attention.head_count", 2)):
+        w.add_uint32(f"llama.{k}", v)
+    fill(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _spm_gguf(path) -> None:
     """A SentencePiece-style vocabulary (like Llama 2 / Mistral GGUFs: no merges, scores,
     <0xNN> byte tokens) built from frequent substrings of the corpus."""
     import collections
-
-    import gguf
 
     text = "▁" + "▁".join(t for t in CORPUS if t.isascii()).replace(" ", "▁")
     counts = collections.Counter(text[i:i + n] for n in range(2, 7) for i in range(len(text) - n))
@@ -283,21 +297,17 @@ def _spm_gguf(path) -> None:
     chars = sorted(set(text))
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars + pieces
     scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))]
-    w = gguf.GGUFWriter(str(path), "llama")
-    for k, v in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
-                 ("feed_forward_length", 16), ("attention.head_count", 2)):
-        w.add_uint32(f"llama.{k}", v)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(chars) + len(pieces)))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def fill(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(chars) + len(pieces)))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+
+    _write_tokenizer_gguf(path, fill)
 
 
 @pytest.mark.slow
@@ -323,26 +333,20 @@ def test_sentencepiece_vocab_matches_transformers(tmp_path):
 def test_split_regex_pre_tokenizers_match_transformers(default_gguf_path, tmp_path, pre):
     """SmolLM2's vocabulary and merges under Qwen2's / Llama 3's split regex: the regexes
     are the part of those tokenizers that differs, and transformers knows both."""
-    import gguf
-
     reader = open_gguf(default_gguf_path)
     field = lambda k: reader.fields[k].contents()  # noqa: E731
     path = tmp_path / f"{pre}.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for k, v in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
-                 ("feed_forward_length", 16), ("attention.head_count", 2)):
-        w.add_uint32(f"llama.{k}", v)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(field("tokenizer.ggml.tokens"))
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def fill(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(field("tokenizer.ggml.tokens"))
+        w.add_token_types(field("tokenizer.ggml.token_type"))
+        w.add_token_merges(field("tokenizer.ggml.merges"))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    _write_tokenizer_gguf(path, fill)
     ours = Tokenizer.from_gguf_reader(open_gguf(str(path)))
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in CORPUS:

@@ -10,7 +10,6 @@ The acceptance test on the real default model replays multi-turn MT-Bench conver
 from __future__ import annotations
 
 import json
-import pathlib
 import random
 from collections import Counter
 
@@ -23,8 +22,8 @@ from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams
 from jaxinfer.engine.block_manager import BlockManager, PageOp
 from jaxinfer.engine.host_page_index import HostPage
 from jaxinfer.engine.sequence import Sequence, next_seq_id
+from prompt_data import data_dir
 
-DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 PS = 4
 
 
@@ -409,7 +408,7 @@ SYSTEM = ("You are a careful assistant for a software company. Answer briefly, c
 
 def conversations(n: int) -> list[list[str]]:
     """MT-Bench's two-turn questions where ../shared/data has them, else our own."""
-    path = DATA / "mt_bench_questions.jsonl"
+    path = data_dir() / "mt_bench_questions.jsonl"
     if path.exists():
         return [json.loads(line)["turns"][:2] for line in path.read_text().splitlines()[:n]]
     return FALLBACK_CONVERSATIONS[:n]

@@ -31,7 +31,10 @@ pads at most 31 positions and a step at most one slot more), page tables of 32 p
 (max_model_len 512). Before packing, one prompt per step in single chunks of 64..256
 (every 32) padded +22% and took 31 mixed steps.
 
-    python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--out /tmp/throughput.json]
+``--quantization int8|int4`` quantizes every variant's weights at load time (the HF peer
+stays float32).
+
+    python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--quantization int8] [--out /tmp/throughput.json]
 """
 
 from __future__ import annotations
@@ -177,17 +180,19 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode for every variant (engine default 1)")
-    p.add_argument("--quantization", default=None, help="weight quantization (not implemented yet)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of every variant's matmul weights (at load time)")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="JAX persistent compilation cache (a second run loads the executables: "
                         "warm start); default none, so compile time is the cold figure")
     C.add_hf_args(p)
     args = p.parse_args()
-    if args.quantization:
-        p.error(f"--quantization {args.quantization}: not implemented yet")
     variants = [parse_variant(v.strip(), args.max_num_seqs) for v in args.variants.split(",") if v.strip()]
     for v in variants:
         v["config"]["num_scheduler_steps"] = args.num_scheduler_steps
+    for v in variants:
+        v["config"]["quantization"] = args.quantization
+        v["label"] += f"+{args.quantization}" if args.quantization else ""
     for v in variants:     # None: no cache (the engine's default would make a rerun warm)
         v["config"]["compilation_cache_dir"] = args.compilation_cache or None
 

@@ -1,7 +1,12 @@
 """``jaxinfer`` command line: generate, convert, serve, bench.
 
-Config is read here once (flags -> EngineConfig / SamplingParams); nothing below the CLI
-reads environment variables.
+Config is read here once (flags -> EngineConfig / SamplingParams). The environment
+variables jaxinfer itself reads are these three (tests/test_readme.py checks the list):
+``$JAXINFER_API_KEY`` (here: the ``serve`` key when no flag gives one), and, in
+pallas_kernels/cpu_build.py, ``$CXX`` (the compiler for the C++ CPU kernels, default g++)
+and ``$JAXINFER_KERNEL_CACHE`` (where built kernels are kept, default
+~/.cache/jaxinfer/kernels): how the kernels are built, not how the engine runs. Nothing
+else below the CLI reads the environment (the libraries read their own: XLA_FLAGS, JAX_*).
 """
 
 from __future__ import annotations

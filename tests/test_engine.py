@@ -109,8 +109,9 @@ DEFAULT_MODEL_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_mo
 def test_default_model_token_exact_under_batching(default_loaded):
     """>= 32 mixed-length prompts, arriving over time, chunked prefill (64-token budget) and
     preemption (a KV cache too small for all of them) forced: each request's greedy tokens
-    equal the reference generator's for that request alone. No compile after warm-up, no
-    page leaked."""
+    equal the reference generator's for that request alone, and the logprobs of some are the
+    same bits as the engine's for that request alone. No compile after warm-up, no page
+    leaked."""
     tok = default_loaded.tokenizer
     rng = np.random.RandomState(0)
     prompts = mt_bench_prompts(tok, 20)
@@ -123,7 +124,9 @@ def test_default_model_token_exact_under_batching(default_loaded):
     max_toks = [int(rng.choice([1, 5, 17, 24])) for _ in prompts]
 
     eng = Engine(loaded=default_loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
+    # every 4th request also asks for logprobs: compared bitwise with a run alone below
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2 if k % 4 == 0 else None)
+              for k, m in enumerate(max_toks)]
     dispatch, prefills_per_step = eng.runner.dispatch, []
 
     def counting_dispatch(batch, *rest):
@@ -139,6 +142,12 @@ def test_default_model_token_exact_under_batching(default_loaded):
     assert stats["num_preemptions_total"] > 0, "the test meant to force preemption"
     assert stats["num_free_pages"] == stats["num_total_pages"], "leaked KV pages"
     assert len(outs) == len(prompts)
+    # Logprobs and top alternatives are the same bits alone (a few, to keep it short)
+    for k in [k for k in range(0, len(prompts), 4) if max_toks[k] > 1][:4]:
+        alone = eng.generate([prompts[k]], params[k])[0].outputs[0]
+        got = outs[f"r{k}"].outputs[0]
+        assert [(x.token_id, x.logprob, x.top) for x in got.logprobs] == \
+               [(x.token_id, x.logprob, x.top) for x in alone.logprobs], f"request {k}: logprobs depend on the batch"
 
     ref = ReferenceGenerator(default_loaded.model)
     # Each request alone; one padded shape for all (512 tokens covers every prompt + output)

@@ -450,6 +450,17 @@ class EngineConfig:
     # a step (~3 ms at batch 1 on CPU); outputs stream in runs of this many tokens. Same
     # tokens as 1 (tests/test_multi_step.py). Single device, one process.
     num_scheduler_steps: int = 1
+    # Speculative decoding (engine/speculative.py): None | "ngram" (prompt lookup: the
+    # tokens that followed the latest earlier occurrence of the sequence's last n tokens,
+    # n from ngram_prompt_lookup_max down to ngram_prompt_lookup_min). Up to
+    # num_speculative_tokens are verified per sequence per step; speculation pauses while
+    # more than speculative_disable_by_batch_size sequences run (verifying is no longer
+    # nearly free then) and for a sequence whose drafts are mostly rejected.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 2
+    speculative_disable_by_batch_size: int = 4
     # When the step shapes (buckets) compile (engine/warmup.py): "full" all of them before
     # the engine returns; "background" those a first request needs, the rest in a thread
     # while it serves (`jaxinfer serve`); "lazy" those a first request needs, any other when
@@ -478,6 +489,7 @@ class EngineConfig:
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")
         _require(self.warmup in ("full", "background", "lazy"), "warmup",
                  f"must be 'full', 'background' or 'lazy', got {self.warmup!r}")
+        _check_speculative(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
@@ -497,3 +509,21 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")
+
+
+def _check_speculative(c: "EngineConfig") -> None:
+    _require(c.speculative_method in (None, "ngram"), "speculative_method",
+             f"must be None or 'ngram', got {c.speculative_method!r}")
+    for name in ("num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
+                 "speculative_disable_by_batch_size"):
+        v = getattr(c, name)
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
+                 f"must be a positive integer, got {v!r}")
+    _require(c.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be <= 16, got {c.num_speculative_tokens}")
+    _require(c.ngram_prompt_lookup_min <= c.ngram_prompt_lookup_max, "ngram_prompt_lookup_min",
+             f"must be <= ngram_prompt_lookup_max ({c.ngram_prompt_lookup_max}), got {c.ngram_prompt_lookup_min}")
+    if c.speculative_method is not None:
+        _require(c.num_scheduler_steps == 1, "speculative_method",
+                 "speculative decoding with num_scheduler_steps > 1 is not supported")
+        _require(c.data_parallel_size == 1, "speculative_method",
+                 "speculative decoding with data_parallel_size > 1 is not supported")

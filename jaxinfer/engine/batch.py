@@ -188,10 +188,11 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     ``lookahead``: the page table also covers this many positions past each chunk (a
     multi-step decode writes them on the device; their pages are already allocated).
     ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
-    decodes = [e for e in scheduled if e.num_new_tokens == 1]
-    prefills = [e for e in scheduled if e.num_new_tokens > 1]
+    decodes = [e for e in scheduled if e.num_new_tokens == 1 or e.draft]
+    prefills = [e for e in scheduled if e.num_new_tokens > 1 and not e.draft]
     max_pages = max(-(-(e.start_pos + e.num_new_tokens + lookahead) // page_size) for e in scheduled)
-    b = ladders.choose(len(decodes), [e.num_new_tokens for e in prefills], max_pages, ready)
+    b = ladders.choose(sum(e.num_new_tokens for e in decodes), [e.num_new_tokens for e in prefills],
+                       max_pages, ready)
     T, S, P = b.num_tokens, b.num_seqs, b.max_pages
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -207,13 +208,14 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     entries: list[tuple[int, ScheduledSeq]] = []
 
     def place(slot: int, first_token: int, e: ScheduledSeq, pages: np.ndarray, start: int, n: int,
-              last: bool) -> None:
+              last: bool, token: int | None = None) -> None:
         """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``;
-        ``pages``: the sequence's page ids as i32 (converted once per entry)."""
+        ``pages``: the sequence's page ids as i32 (converted once per entry); ``token``:
+        a draft token fed at ``start`` (n = 1) instead of the sequence's own."""
         seq = e.seq
         end = start + n
         sl = slice(first_token, first_token + n)
-        tokens[sl] = seq.token_ids_slice(start, end)
+        tokens[sl] = seq.token_ids_slice(start, end) if token is None else token
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
         slot_mapping[sl] = pages[pos // page_size] * page_size + pos % page_size
@@ -229,8 +231,15 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         if last:
             entries.append((slot, e))
 
-    for i, e in enumerate(decodes):
-        place(i, i, e, np.asarray(e.seq.page_ids, np.int32), e.start_pos, 1, True)
+    # A speculating sequence takes 1 + len(draft) consecutive decode slots: slot j feeds
+    # the token at start_pos + j (the last sampled one, then the draft) and attends to the
+    # KV this step writes before it, so each slot's logits verify the next draft token.
+    slot = 0
+    for e in decodes:
+        pages = np.asarray(e.seq.page_ids, np.int32)
+        for j, tok in enumerate((None,) + e.draft):
+            place(slot, slot, e, pages, e.start_pos + j, 1, j == 0, tok)
+            slot += 1
     slot, c = b.num_decode, b.prefill_chunk
     for e in prefills:
         pages, end = np.asarray(e.seq.page_ids, np.int32), e.start_pos + e.num_new_tokens

@@ -184,6 +184,14 @@ class BlockManager:
         seq.page_ids = []
         self._num_registered.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop ``seq``'s pages past the first ``pages_for(num_tokens)`` (speculative
+        decoding: pages that held only rejected draft tokens' KV go back to the pool)."""
+        keep = self.pages_for(num_tokens)
+        for p in reversed(seq.page_ids[keep:]):
+            self._decref(p)
+        del seq.page_ids[keep:]
+
     # ---- prefix caching -----------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> list[int | HostPage]:
         """The longest run of cached pages matching ``seq``'s first full pages: device

@@ -26,6 +26,7 @@ from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.memory import available_ram, release_host_memory
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, make_sequences
+from jaxinfer.engine.speculative import speculable
 from jaxinfer.reference import derive_seed
 
 log = logging.getLogger("jaxinfer")
@@ -141,6 +142,8 @@ class Engine:
                                             // probe.bytes_per_page)
         self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,
                                        mc.head_dim, dtype)
+        from jaxinfer.engine.speculative import make_speculator
+        self.speculator = make_speculator(config)
         self.ladders = self._ladders()
         self.num_host_pages = host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
@@ -213,6 +216,9 @@ class Engine:
     def _ladders(self) -> BucketLadders:
         c = self.config
         auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
+        if self.speculator is not None:
+            from jaxinfer.engine.speculative import spec_decode_sizes
+            auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
                              c.prefill_buckets or auto.prefill_shapes,
@@ -374,7 +380,7 @@ class Engine:
                 return [emit(r) for r in self._multi_step(self.replicas[0], *run, t0)]
         pending = []
         for rep in self.replicas:
-            sched = rep.scheduler.schedule()
+            sched = rep.scheduler.schedule(self._drafts(rep))
             rep.apply_page_ops()
             for seq in sched.preempted:
                 rep.release_row(seq)
@@ -405,6 +411,13 @@ class Engine:
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.device_seconds += t2 - t1
         return outs
+
+    def _drafts(self, rep: "_Replica") -> dict[int, list[int]] | None:
+        """Speculative decoding's proposals for this step (engine/speculative.py)."""
+        if self.speculator is None:
+            return None
+        return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], lambda seq: speculable(
+            seq, bool(self._requests[seq.request_id].constraints)))
 
     def _build(self, rep: "_Replica", sched: SchedulerOutput, lookahead: int = 0) -> Any:
         """The step's batch; while buckets still compile, in a compiled bucket that holds
@@ -452,9 +465,10 @@ class Engine:
         seeds, steps = [0] * n, [0] * n
         for slot, e in batch.entries:
             req = self._requests[e.seq.request_id]
-            params[slot] = e.seq.params
-            seeds[slot] = req.seeds[e.seq.sample_index]
-            steps[slot] = e.seq.num_output_tokens
+            for j in range(1 + len(e.draft)):      # a draft's slots sample output tokens j ahead
+                params[slot + j] = e.seq.params
+                seeds[slot + j] = req.seeds[e.seq.sample_index]
+                steps[slot + j] = e.seq.num_output_tokens + j
         return S.sampling_tensors_from_params(params, seeds, steps, n)
 
     def _token_mask(self, batch) -> Callable[[], Any] | None:
@@ -482,6 +496,12 @@ class Engine:
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
+        if any(e.draft for e in sched.scheduled):
+            # verify the drafts, feed each accepted run back through here token by token
+            outs = self.speculator.postprocess(lambda sc, en: self._postprocess(rep, sc, en, packed),
+                                               sched, entries, res.token_ids)
+            self.speculator.rollback(sched, rep.block_manager)
+            return outs
         sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in entries if e.samples}
         slot_of = {e.seq.seq_id: slot for slot, e in entries}
         grew = rep.scheduler.postprocess(sched, sampled)
@@ -595,6 +615,7 @@ class Engine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
             **self._prefix_cache_stats(),
+            **(self.speculator.stats() if self.speculator else {}),
             **self.warmup_status(),
             "kernels": self.kernels(),
         }

@@ -77,12 +77,16 @@ class ScheduledSeq:
 
     ``samples`` is True iff this chunk reaches the sequence's last token, so the step
     produces the next token for it (False for all but the last chunk of a prefill).
+    ``draft``: speculative decoding's proposed tokens (engine/speculative.py); then the
+    entry is a decode of the last token plus the draft, ``num_new_tokens = 1 + len(draft)``,
+    and the step samples at every one of those positions to verify the draft.
     """
 
     seq: Sequence
     start_pos: int
     num_new_tokens: int
     samples: bool
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -227,8 +231,12 @@ class Scheduler:
             del self._requests[seq.request_id]
 
     # ---- the step -----------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, Seq[int]] | None = None) -> SchedulerOutput:
+        """``drafts``: seq_id -> proposed tokens for decoding sequences (speculative
+        decoding); each such sequence is budgeted and given pages for 1 + len(draft)
+        tokens (the draft cut to the budget left)."""
         budget = self.max_num_batched_tokens
+        drafts = drafts or {}
         chosen: dict[int, ScheduledSeq] = {}          # seq_id -> entry, in schedule order
         preempted: list[Sequence] = []
         slots = _PrefillSlots(self.prefill_shapes)
@@ -240,7 +248,8 @@ class Scheduler:
                 break
             if seq.status is not _RUNNING:            # preempted earlier in this loop
                 continue
-            num_new = slots.take(min(seq.num_new_tokens_needed, budget))
+            draft = tuple(drafts.get(seq.seq_id, ()))[:budget - 1] if seq.num_new_tokens_needed == 1 else ()
+            num_new = 1 + len(draft) if draft else slots.take(min(seq.num_new_tokens_needed, budget))
             if num_new == 0:
                 continue
             target = seq.num_computed_tokens + num_new
@@ -256,7 +265,7 @@ class Scheduler:
                     break
             else:
                 chosen[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, num_new,
-                                                  target == seq.num_tokens)
+                                                  target >= seq.num_tokens, draft)
                 budget -= num_new
 
         if not preempted:

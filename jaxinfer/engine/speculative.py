@@ -1,0 +1,217 @@
+"""Speculative decoding: propose a few tokens per decoding sequence, verify them all in one
+ordinary ragged step, keep the longest accepted run.
+
+Host only (numpy, no jax). The engine consults a ``Speculator`` at two points of its step:
+
+* before scheduling, ``propose`` returns drafts {seq_id: tokens}; the scheduler budgets
+  and allocates pages for 1 + len(draft) tokens of each such sequence
+  (``Scheduler.schedule(drafts)``), and the batch builder gives it 1 + len(draft)
+  consecutive decode slots: slot j feeds the token at position start + j (the last
+  sampled token, then the draft) and, since a step writes its K/V before any slot
+  attends, sees the draft before it as context. Verification is therefore an ordinary
+  decode bucket (no new shapes, nothing compiled after warm-up) whose sampler row j is
+  the target's next-token choice after the first j draft tokens.
+* after the step, ``postprocess`` accepts draft token j while it equals the token the
+  target sampled at slot j - 1; the first mismatch (or the slot after the last draft)
+  gives one more token of the target's own. The accepted run is fed back through the
+  engine's one-token postprocessing, one position at a time, exactly as that many plain
+  decode steps would be (stop tokens and strings, max_tokens, logprobs, grammar state),
+  so a stop in the middle of a run ends the sequence there and drops the rest. Then the
+  pages that hold only rejected tokens' KV are freed (``BlockManager.trim``); the
+  rejected positions are past ``num_computed_tokens``, so the prefix cache never
+  registers them.
+
+Why this is exact. Greedy: slot j's row is bitwise the row a plain decode step would
+compute at that position (the kernels are batch-invariant), so accepted tokens are the
+plain path's tokens. Temperature > 0: the drafts are deterministic (a proposal q that puts
+all its mass on the draft token d), for which the rejection-sampling rule of Leviathan et
+al. accepts d with probability min(1, p(d) / q(d)) = p(d) and otherwise samples from
+norm(max(p - q, 0)) = p without d. Sampling t ~ p and accepting iff t == d is that rule:
+P(accept) = p(d), and a rejected t is distributed as p given t != d. Each slot samples
+with the key (seed, output index) the plain path would use, so a seeded request gives the
+same tokens with and without speculation.
+
+Not speculated (they decode one token per step as usual): sequences with repetition /
+presence / frequency penalties (the device's penalty state counts every fed token) or a
+token mask (guided decoding, logit_bias, min_tokens, bad_words); steps that carry a
+prefill or could admit one; batches larger than ``speculative_disable_by_batch_size``;
+a sequence whose recent drafts were mostly rejected, for a few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxinfer.engine.sequence import Sequence
+
+# A sequence whose acceptance (moving average of accepted / proposed) drops below this
+# stops proposing for PAUSE_STEPS steps: a rejected draft costs slots for nothing.
+MIN_ACCEPTANCE = 0.2
+PAUSE_STEPS = 8
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's ngram proposer): find the latest earlier occurrence of the
+    sequence's last n tokens (n from ``max_n`` down to ``min_n``) in its prompt and output
+    so far, and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        """``tokens``: i32[L] the sequence so far -> up to ``k`` proposed tokens."""
+        L = len(tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            # windows[i] = tokens[i:i+n], for starts whose continuation exists (i + n < L)
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
+            hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+            if len(hits):
+                # the latest occurrence followed by k tokens, else the earliest (the latest
+                # may sit just before the end, with almost nothing after it)
+                full = hits[hits + n + k <= L]
+                start = int(full[-1] if len(full) else hits[0]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+@dataclass(slots=True)
+class _SeqState:
+    acceptance: float = 1.0      # moving average of accepted / proposed
+    paused: int = 0              # steps left without proposing
+
+
+@dataclass
+class Speculator:
+    """Proposals before a step, acceptance after it, and vLLM's spec-decode counters."""
+
+    config: EngineConfig
+    proposer: NgramProposer
+    num_drafts: int = 0                   # verified drafts (one per sequence per step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # accepted draft tokens by position
+    _states: dict[int, _SeqState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.config.num_speculative_tokens
+
+    def propose(self, sched: Scheduler, max_slots: int,
+                eligible: Callable[[Sequence], bool]) -> dict[int, list[int]]:
+        """Drafts for this step's decoding sequences ({} = a plain step). Only when every
+        running sequence decodes and nobody can be admitted (so the step is decode-only and
+        fits the decode ladder), at most ``speculative_disable_by_batch_size`` of them, and
+        in at most ``max_slots`` decode slots (the largest decode bucket) in all."""
+        c, running = self.config, sched.running
+        if not running or len(running) > c.speculative_disable_by_batch_size:
+            return {}
+        if sched.waiting and len(running) < sched.max_num_seqs:
+            return {}
+        if any(s.num_new_tokens_needed != 1 for s in running):
+            return {}
+        self._states = {s.seq_id: self._states.get(s.seq_id) or _SeqState() for s in running}
+        spare = min(max_slots, sched.max_num_batched_tokens) - len(running)
+        drafts: dict[int, list[int]] = {}
+        for seq in running:
+            st = self._states[seq.seq_id]
+            if st.paused:
+                st.paused -= 1
+                if not st.paused:
+                    st.acceptance = MIN_ACCEPTANCE * 2
+                continue
+            # no token past max_tokens or max_model_len is ever fed
+            k = min(c.num_speculative_tokens, spare, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    sched.max_model_len - seq.num_tokens)
+            if k <= 0 or not eligible(seq):
+                continue
+            draft = self.proposer.propose(np.asarray(seq.all_token_ids, np.int32), k)
+            if draft:
+                drafts[seq.seq_id] = draft
+                spare -= len(draft)
+        return drafts
+
+    def postprocess(self, apply: Callable[..., list[Any]], sched: SchedulerOutput,
+                    entries: list[tuple[int, ScheduledSeq]], token_ids: np.ndarray) -> list[Any]:
+        """Accept each draft's longest verified run and feed the run through ``apply``
+        (the engine's one-token postprocessing: (sched, entries) -> requests touched), one
+        position at a time. ``token_ids`` i32[S']: the token sampled at each slot. Returns
+        the requests touched, each once, finished ones last."""
+        runs: list[tuple[int, Sequence, int]] = []      # (first slot, seq, tokens to emit)
+        first = []
+        for slot, e in entries:
+            if e.draft:
+                n = self._accept(e, token_ids[slot:slot + len(e.draft)])
+                runs.append((slot, e.seq, n + 1))
+                e = ScheduledSeq(e.seq, e.start_pos, 1, True)
+            first.append((slot, e))
+        touched = {id(r): r for r in apply(SchedulerOutput([e for _, e in first], sched.preempted,
+                                                             len(first)), first)}
+        for i in range(1, max((n for _, _, n in runs), default=0)):
+            live = [(slot + i, ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+                    for slot, seq, n in runs if n > i and not seq.is_finished]
+            if not live:
+                break
+            for r in apply(SchedulerOutput([e for _, e in live], [], len(live)), live):
+                touched.pop(id(r), None)
+                touched[id(r)] = r
+        return sorted(touched.values(), key=lambda r: r.finished)
+
+    def rollback(self, sched: SchedulerOutput, bm: Any) -> None:
+        """Free the pages of rejected positions: a speculating sequence keeps pages for its
+        computed tokens only (the next step allocates what it needs)."""
+        for e in sched.scheduled:
+            if e.draft and not e.seq.is_finished:
+                bm.trim(e.seq, e.seq.num_computed_tokens)
+
+    def _accept(self, e: ScheduledSeq, sampled: np.ndarray) -> int:
+        """Draft tokens accepted: draft[j] stands while the target sampled it at slot j."""
+        n = 0
+        while n < len(e.draft) and int(sampled[n]) == e.draft[n]:
+            n += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(e.draft)
+        self.num_accepted_tokens += n
+        for j in range(n):
+            self.accepted_per_pos[j] += 1
+        st = self._states.get(e.seq.seq_id)
+        if st is not None:
+            st.acceptance = 0.5 * st.acceptance + 0.5 * n / len(e.draft)
+            if st.acceptance < MIN_ACCEPTANCE:
+                st.paused = PAUSE_STEPS
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        """vLLM's spec-decode counters (per-position: accepted draft tokens at position j)."""
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+
+def make_speculator(config: EngineConfig) -> Speculator | None:
+    if config.speculative_method is None:
+        return None
+    return Speculator(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+
+
+def speculable(seq: Sequence, constrained: bool) -> bool:
+    """Whether ``seq`` may speculate: no penalties (the device's penalty state counts every
+    fed token, rejected drafts included) and no token mask (``constrained``: its grammar
+    state advances one accepted token at a time on the host)."""
+    p = seq.params
+    return not constrained and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+
+
+def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int) -> tuple[int, ...]:
+    """The decode ladder, grown by powers of two so one sequence and its whole draft fit
+    (a one-sequence engine has decode buckets of 1 slot only)."""
+    need, sizes = num_speculative_tokens + 1, set(decode_sizes)
+    n = 1
+    while n < need:
+        n *= 2
+        sizes.add(n)
+    return tuple(sorted(sizes))

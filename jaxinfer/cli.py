@@ -46,6 +46,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=["ngram"], default=None,
+                   help="propose tokens and verify them in one step: ngram = prompt lookup "
+                        "(greedy and seeded outputs unchanged)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
+    g.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram matched")
+    g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=4,
+                   help="no speculation while more sequences than this run")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
     p.add_argument("--warmup", choices=["full", "background", "lazy"], default=None,
@@ -130,7 +139,14 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
-        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        **speculative_options(args))
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    names = ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
+             "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

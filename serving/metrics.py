@@ -58,6 +58,10 @@ _ENGINE_METRICS = (
     ("buckets_compiled", "compiled_buckets", "Step shapes compiled so far (the rest compile in the "
      "background after start-up).", "gauge"),
     ("buckets_total", "buckets", "Step shapes the engine compiles in all.", "gauge"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative drafts verified.", "counter"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed.", "counter"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "counter"),
 )
 
 
@@ -87,6 +91,14 @@ class _EngineCollector:
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             fam = cls(PREFIX + name, doc, labels=["model_name"])
             fam.add_metric(label, float(stats[key]))
+            yield fam
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos:
+            fam = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+            for i, n in enumerate(per_pos):
+                fam.add_metric(label + [str(i)], float(n))
             yield fam
         kernels = stats.get("kernels") or {}
         if kernels:

@@ -206,3 +206,13 @@ def test_sampling_distribution_is_the_targets(plain, spec):
     table = table[:, table.sum(0) > 0]
     p = chi2_contingency(table).pvalue
     assert p > 1e-3, f"p = {p:.2g}, table {table.tolist()}"
+
+
+def test_metrics_export_spec_counters(spec):
+    from serving.metrics import _EngineCollector
+
+    fams = {f.name: f for f in _EngineCollector(lambda: spec, lambda: "m").collect()}
+    st = spec.stats()
+    assert fams["jaxinfer:spec_decode_num_accepted_tokens"].samples[0].value == st["spec_decode_num_accepted_tokens"]
+    per_pos = fams["jaxinfer:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [s.value for s in per_pos] == st["spec_decode_num_accepted_tokens_per_pos"] and len(per_pos) == K

@@ -216,3 +216,30 @@ def test_metrics_export_spec_counters(spec):
     assert fams["jaxinfer:spec_decode_num_accepted_tokens"].samples[0].value == st["spec_decode_num_accepted_tokens"]
     per_pos = fams["jaxinfer:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [s.value for s in per_pos] == st["spec_decode_num_accepted_tokens_per_pos"] and len(per_pos) == K
+
+
+@pytest.mark.slow
+def test_default_model_greedy_matches_reference():
+    """The real default model: text that the answer copies (so prompt lookup proposes and
+    much is accepted), alone and three at a time, token-exact against the reference
+    generator; no page leaked."""
+    from jaxinfer.loading import load_model
+    from jaxinfer.reference import ReferenceGenerator
+    from test_engine import DEFAULT_MODEL_ENGINE_KW
+
+    loaded = load_model(None, "float32")
+    tok = loaded.tokenizer
+    eng = Engine(loaded=loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW, **SPEC)
+    texts = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.",
+             "List the names in: Alice Moreau lives in Lyon, Jean Moreau in Paris, Tom Becker in Hamburg.",
+             "def add(a, b):\n    return a + b\n\nRewrite this function with type hints."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    ps = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [eng.generate([p], ps)[0] for p in prompts[:1]] + eng.generate(prompts, ps)
+    ref = ReferenceGenerator(loaded.model)
+    for p, g in zip(prompts[:1] + prompts, got):
+        want = ref.generate([p], [ps], [0], pad_to=512)[0].token_ids
+        assert g.outputs[0].token_ids == want
+    st = eng.stats()
+    assert st["spec_decode_num_accepted_tokens"] >= 10, st
+    _no_leak(eng)

@@ -1,0 +1,165 @@
+"""Speculative decoding: batch-1 decode tok/s with each method vs without, in the same run.
+
+Prompts: MT-Bench first turns of the coding and extraction categories
+(``../shared/data/mt_bench_questions.jsonl``) and summarization prompts of our own (a
+passage + "summarize it"), chat-templated; without the data file, prompts of our own for
+all three (reported as such). Every prompt runs alone (batch 1), greedy, ``--new-tokens``
+tokens (EOS ignored), once per engine; decode tok/s = (tokens - 1) / (finish - first
+token), so the prefill is left out. The engines (plain, ngram) are built from one loaded
+model per dtype and run interleaved prompt by prompt, so machine load hits both alike;
+the report gives ratios, acceptance rates, and whether the tokens were identical.
+
+``--throughput``: also the workload's 32-prompt throughput set at max_num_seqs=32 with and
+without speculation (it turns itself off above ``speculative_disable_by_batch_size``).
+
+    python benchmarks/speculative.py --quick
+    python benchmarks/speculative.py --quantization none,int8 --throughput --out spec.json
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import common as C
+
+OWN_PROMPTS = {
+    "coding": ["Here is a Python function:\n\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
+               "        total += x\n    return total / len(xs)\n\nRewrite it with type hints and a "
+               "docstring, and make it raise ValueError on an empty list."],
+    "extraction": ["From the text below, list every person's name and city as 'name: city'.\n\n"
+                   "Alice Moreau moved from Lyon to Berlin in 2019. Her brother, Jean Moreau, "
+                   "stayed in Lyon. Their friend Priya Natarajan lives in Chennai, and Tom Becker "
+                   "works in Hamburg."],
+}
+PASSAGE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. "
+           "Supporters said the lanes made the street safer for children cycling to school and "
+           "had reduced traffic accidents by a third since they opened in March. Shop owners "
+           "complained that the lanes removed forty parking spaces and that fewer customers "
+           "came by car. The council agreed to keep the lanes for another year, add a small "
+           "car park behind the market, and publish accident figures every three months.")
+SUMMARIZE = [f"Summarize the following text in three sentences, reusing its wording:\n\n{PASSAGE}",
+             f"Rewrite the following text as a bulleted list of its facts:\n\n{PASSAGE}"]
+
+
+def prompts(n: int, path) -> tuple[dict[str, list[str]], str]:
+    """{category: [prompt text]} and where they came from."""
+    out = {"summarization": SUMMARIZE[:n]}
+    if not path.exists():
+        return {**{k: v[:n] for k, v in OWN_PROMPTS.items()}, **out}, "own prompts (no MT-Bench file)"
+    qs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for cat in ("coding", "extraction"):
+        out[cat] = [q["turns"][0] for q in qs if q["category"] == cat][:n]
+    return out, f"{path} (coding, extraction) + own summarization prompts"
+
+
+def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
+    from jaxinfer.engine.engine import Engine
+
+    return Engine(loaded=loaded, progress=False, quantization=quant, max_num_seqs=max_num_seqs,
+                  max_model_len=1024, enable_prefix_caching=False, **spec)
+
+
+def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:
+    from jaxinfer.config import SamplingParams
+
+    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))[0]
+    m = out.metrics
+    return (n_new - 1) / (m.finished_time - m.first_token_time), out.outputs[0].token_ids
+
+
+def spec_counts(eng) -> tuple[int, int]:
+    s = eng.stats()
+    return s.get("spec_decode_num_draft_tokens", 0), s.get("spec_decode_num_accepted_tokens", 0)
+
+
+def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k: int) -> dict:
+    tok = loaded.tokenizer
+    engines = {"plain": build(loaded, quant, {}),
+               "ngram": build(loaded, quant, dict(speculative_method="ngram", num_speculative_tokens=k))}
+    warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    for e in engines.values():
+        decode_rate(e, warm, 8)
+    res = {}
+    for cat, texts in cats.items():
+        rates = {m: [] for m in engines}
+        drafted = accepted = 0
+        identical = True
+        for text in texts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}])
+            toks = {}
+            for m, e in engines.items():
+                d0, a0 = spec_counts(e)
+                r, toks[m] = decode_rate(e, ids, n_new)
+                rates[m].append(r)
+                d1, a1 = spec_counts(e)
+                drafted, accepted = drafted + d1 - d0, accepted + a1 - a0
+            identical &= toks["ngram"] == toks["plain"]
+        plain = sum(rates["plain"]) / len(texts)
+        res[cat] = {"prompts": len(texts), "plain_tok_s": plain,
+                    **{f"{m}_tok_s": sum(v) / len(texts) for m, v in rates.items() if m != "plain"},
+                    "ngram_speedup": sum(a / b for a, b in zip(rates["ngram"], rates["plain"])) / len(texts),
+                    "ngram_draft_tokens": drafted, "ngram_acceptance": accepted / drafted if drafted else None,
+                    "greedy_identical": identical}
+    return res
+
+
+def throughput(loaded, quant: str | None, prompts_ids: list[list[int]], n_new: int, k: int) -> dict:
+    from jaxinfer.config import SamplingParams
+
+    out = {}
+    ps = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    engines = {"plain": build(loaded, quant, {}, 32),
+               "ngram": build(loaded, quant, dict(speculative_method="ngram", num_speculative_tokens=k), 32)}
+    for m, e in engines.items():
+        e.generate(prompts_ids[:2], SamplingParams(temperature=0, max_tokens=4))
+    for rnd in range(2):                          # A/B then B/A: load drift hits both
+        for m in (("plain", "ngram") if rnd == 0 else ("ngram", "plain")):
+            t0 = time.perf_counter()
+            engines[m].generate(prompts_ids, ps)
+            out.setdefault(m, []).append(len(prompts_ids) * n_new / (time.perf_counter() - t0))
+    return {"plain_tok_s": sum(out["plain"]) / 2, "ngram_tok_s": sum(out["ngram"]) / 2,
+            "ratio": sum(out["ngram"]) / sum(out["plain"]), "runs": out,
+            "draft_tokens": spec_counts(engines["ngram"])[0]}
+
+
+def main() -> None:
+    p = C.base_parser(__doc__)
+    p.add_argument("--quantization", default="none,int8", help="comma-separated: none, int8")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per category")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--mt-bench", default=str(C.DATA / "mt_bench_questions.jsonl"),
+                   help="MT-Bench questions JSONL (default: %(default)s; own prompts if missing)")
+    p.add_argument("--throughput", action="store_true", help="also batch 32 on the throughput workload")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens = 1, 64
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(None, "float32")
+    from pathlib import Path
+
+    cats, source = prompts(args.prompts, Path(args.mt_bench))
+    res = {"machine": C.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "batch1": {}, "load_before": C.load_avg()}
+    for q in args.quantization.split(","):
+        quant = None if q == "none" else q
+        res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k)
+        C.print_table([(f"{cat}: plain / ngram tok/s, speedup, acceptance, identical",
+                        f"{C.fmt(v['plain_tok_s'])} / {C.fmt(v['ngram_tok_s'])}, {v['ngram_speedup']:.2f}x, "
+                        f"{C.fmt(100 * (v['ngram_acceptance'] or 0))}%, {v['greedy_identical']}")
+                       for cat, v in r.items()], f"batch 1, {q} ({source})")
+    if args.throughput:
+        w = C.load_workload(args.workload)
+        n_new = 32 if args.quick else w["throughput"]["new_tokens"]
+        res["throughput"] = t = throughput(loaded, None, w["throughput"]["prompts"], n_new, args.k)
+        C.print_table([("plain / ngram tok/s", f"{C.fmt(t['plain_tok_s'])} / {C.fmt(t['ngram_tok_s'])}"),
+                       ("ratio", f"{t['ratio']:.3f}"), ("draft tokens", t["draft_tokens"])],
+                      f"batch 32, float32, {w['source']}{' (SYNTHETIC)' if w['synthetic'] else ''}")
+    res["load_after"] = C.load_avg()
+    C.write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -243,3 +243,19 @@ def test_default_model_greedy_matches_reference():
     st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] >= 10, st
     _no_leak(eng)
+
+
+def test_streaming_through_async_engine(plain, spec):
+    """AsyncEngine (the server's path): accepted runs arrive as growing outputs whose
+    final tokens are the plain engine's."""
+    from test_engine import stream_through_async_engine
+
+    prompts = _prompts(2, seed=5)
+    ps = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = plain.generate(prompts, ps)
+    a0 = spec.stats()["spec_decode_num_accepted_tokens"]
+    for (final, seen), w in zip(stream_through_async_engine(spec, prompts, ps), want):
+        assert final.finished and final.outputs[0].token_ids == w.outputs[0].token_ids
+        assert all(seen[i + 1][:len(seen[i])] == seen[i] for i in range(len(seen) - 1))
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > a0
+    _no_leak(spec)

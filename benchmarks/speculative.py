@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--quantization", default="none,int8", help="comma-separated: none, int8")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     p.add_argument("--mt-bench", default=str(C.DATA / "mt_bench_questions.jsonl"),
                    help="MT-Bench questions JSONL (default: %(default)s; own prompts if missing)")
     p.add_argument("--throughput", action="store_true", help="also batch 32 on the throughput workload")

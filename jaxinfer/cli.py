@@ -50,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-method", choices=["ngram"], default=None,
                    help="propose tokens and verify them in one step: ngram = prompt lookup "
                         "(greedy and seeded outputs unchanged)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
+    g.add_argument("--num-speculative-tokens", type=int, default=7, help="tokens proposed per step")
     g.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram matched")
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=4,

@@ -457,7 +457,9 @@ class EngineConfig:
     # more than speculative_disable_by_batch_size sequences run (verifying is no longer
     # nearly free then) and for a sequence whose drafts are mostly rejected.
     speculative_method: str | None = None
-    num_speculative_tokens: int = 4
+    # 7: one sequence and its draft fill a decode bucket of 8 slots (padding slots cost
+    # about as much as used ones; benchmarks/RESULTS.md compares 3, 4 and 7)
+    num_speculative_tokens: int = 7
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 2
     speculative_disable_by_batch_size: int = 4

@@ -53,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=7, help="tokens proposed per step")
     g.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram matched")
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=4,
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no speculation while more sequences than this run")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")

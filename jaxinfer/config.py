@@ -462,7 +462,7 @@ class EngineConfig:
     num_speculative_tokens: int = 7
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 2
-    speculative_disable_by_batch_size: int = 4
+    speculative_disable_by_batch_size: int = 2
     # When the step shapes (buckets) compile (engine/warmup.py): "full" all of them before
     # the engine returns; "background" those a first request needs, the rest in a thread
     # while it serves (`jaxinfer serve`); "lazy" those a first request needs, any other when

@@ -29,7 +29,8 @@ K = 3
 KW = dict(progress=False, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, num_pages=40,
           max_waiting=64, decode_buckets=(1, 4, 16), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
           debug_poison_freed_pages=True)
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=K, ngram_prompt_lookup_min=1)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=K, ngram_prompt_lookup_min=1,
+            speculative_disable_by_batch_size=4)     # batches of 4 speculate too
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,10 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
 
-# A sequence whose acceptance (moving average of accepted / proposed) drops below this
-# stops proposing for PAUSE_STEPS steps: a rejected draft costs slots for nothing.
-MIN_ACCEPTANCE = 0.2
+# A sequence whose moving average of accepted tokens per verified draft drops below this
+# stops proposing for PAUSE_STEPS steps: a verification step costs more than a plain one
+# (more rows), which half a token per step does not pay back.
+MIN_ACCEPTED = 0.5
 PAUSE_STEPS = 8
 
 
@@ -81,7 +82,7 @@ class NgramProposer:
 
 @dataclass(slots=True)
 class _SeqState:
-    acceptance: float = 1.0      # moving average of accepted / proposed
+    accepted: float = 2.0        # moving average of draft tokens accepted per verification
     paused: int = 0              # steps left without proposing
 
 
@@ -121,7 +122,7 @@ class Speculator:
             if st.paused:
                 st.paused -= 1
                 if not st.paused:
-                    st.acceptance = MIN_ACCEPTANCE * 2
+                    st.accepted = MIN_ACCEPTED * 2
                 continue
             # no token past max_tokens or max_model_len is ever fed
             k = min(c.num_speculative_tokens, spare, seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -179,8 +180,8 @@ class Speculator:
             self.accepted_per_pos[j] += 1
         st = self._states.get(e.seq.seq_id)
         if st is not None:
-            st.acceptance = 0.5 * st.acceptance + 0.5 * n / len(e.draft)
-            if st.acceptance < MIN_ACCEPTANCE:
+            st.accepted = 0.5 * st.accepted + 0.5 * n
+            if st.accepted < MIN_ACCEPTED:
                 st.paused = PAUSE_STEPS
         return n
 

@@ -145,9 +145,17 @@ def test_stop_and_max_tokens_inside_a_run(plain, spec):
                                      stop_token_ids=[toks[i]]) if i else None)
         params.append(SamplingParams(temperature=0, max_tokens=7 + len(params), ignore_eos=True))
     cases = [(p, sp) for p, pair in zip(prompts, zip(params[::2], params[1::2])) for sp in pair if sp]
+    for p, r in zip(prompts, ref):                    # a stop string from the middle of the text
+        text = r.outputs[0].text
+        if len(text) >= 12:
+            cases.append((p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                            stop=[text[len(text) // 2:len(text) // 2 + 3]])))
+    assert len(cases) >= 6
     want = plain.generate([p for p, _ in cases], [sp for _, sp in cases])
     got = spec.generate([p for p, _ in cases], [sp for _, sp in cases])
     _same(want, got, "stop / max_tokens")
+    reasons = [o.outputs[0].stop_reason for o in got]
+    assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons)
     _no_leak(spec)
 
 

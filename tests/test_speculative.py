@@ -154,8 +154,9 @@ def test_stop_and_max_tokens_inside_a_run(plain, spec):
     want = plain.generate([p for p, _ in cases], [sp for _, sp in cases])
     got = spec.generate([p for p, _ in cases], [sp for _, sp in cases])
     _same(want, got, "stop / max_tokens")
-    reasons = [o.outputs[0].stop_reason for o in got]
-    assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons)
+    # these prompts' outputs repeat one token, so the string stops at the third token:
+    # inside the first verified run
+    assert any(isinstance(o.outputs[0].stop_reason, str) and len(o.outputs[0].token_ids) < 30 for o in got)
     _no_leak(spec)
 
 

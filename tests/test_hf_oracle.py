@@ -67,6 +67,16 @@ FAMILIES: list[Family] = [
     Family("qwen2", _cfg("Qwen2Config")),
     Family("qwen3", _cfg("Qwen3Config", head_dim=32)),
 ]
+# Phi-3: fused checkpoint tensors, a sliding window shorter than the longer prompts, rotary
+# on half of each head, longrope in its short regime (original_max_position_embeddings is
+# the engine's max_model_len; the long regime: tests/test_phi3.py).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
+                 "long_factor": [2.0, 3.0, 5.0, 8.0]}
+FAMILIES += [
+    Family("phi3-longrope-window-partial", _cfg("Phi3Config", sliding_window=24, partial_rotary_factor=0.5,
+                                                original_max_position_embeddings=128, pad_token_id=0,
+                                                rope_scaling=PHI3_LONGROPE)),
+]
 # The GPT-style families (models/gpt.py), each with its own config field names; the
 # variants of each (post-norm OPT, old Falcon, multi-head BigCode, ...) are checked against
 # HF's logits in tests/test_gpt_families.py.
@@ -249,7 +259,7 @@ TINY_ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
                       page_buckets=(8,), decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                       prefill_buckets=((2, 16),))
 TINY_PROMPT_LENS = (5, 23, 40, 61, 9, 33)
-TINY_MAX_TOKENS = (20, 12, 24, 16, 30, 8)
+TINY_MAX_TOKENS = (20, 12, 24, 16, 32, 8)    # one request of 32 greedy tokens per family
 
 
 def tiny_prompts(vocab: int) -> list[list[int]]:

@@ -52,6 +52,9 @@ def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> n
         return inv
     if rs.rope_type == "linear":
         return (inv / np.float32(rs.factor)).astype(np.float32)
+    if rs.rope_type == "longrope":   # per-frequency divisors (config.RopeScaling)
+        shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+        return (1.0 / (np.asarray(rs.ext_factors, np.float32) * (np.float32(theta) ** shape))).astype(np.float32)
     # llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
     old = rs.original_max_position_embeddings
     low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
@@ -63,8 +66,16 @@ def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved form)."""
+def rope_attention_factor(cfg: ModelConfig, layer: int = 0) -> float:
+    """The factor cos and sin are multiplied by (longrope's attention_factor), else 1."""
+    rs = cfg.layer_rope(layer)[1]
+    return rs.attention_factor if rs is not None and rs.rope_type == "longrope" else 1.0
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved
+    form), each times ``scale`` (rope_attention_factor)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     # Computed once per step, then handed through a conditional XLA cannot see through
@@ -74,6 +85,8 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     # per head and element: ~50 ms of a 512-token prefill, for the same values.
     # (lax.optimization_barrier does not stop that: XLA:CPU drops it before fusion.)
     cos_sin = jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)          # [T, 2 * head_dim]
+    if scale != 1.0:
+        cos_sin = cos_sin * np.float32(scale)
     cos_sin = jax.lax.cond(positions.reshape(-1)[0] > 0, lambda t: t, lambda t: t + 0.0, cos_sin)
     return cos_sin[:, :emb.shape[1]], cos_sin[:, emb.shape[1]:]
 

@@ -12,10 +12,12 @@ from jaxinfer.models.gemma3 import Gemma3ForCausalLM
 from jaxinfer.models.gpt import GptForCausalLM
 from jaxinfer.models.gpt_config import GPT_FAMILY
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.phi3 import Phi3ForCausalLM
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
 _REGISTRY.update({name: GptForCausalLM for name in GPT_FAMILY})
 _REGISTRY["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+_REGISTRY["Phi3ForCausalLM"] = Phi3ForCausalLM
 
 
 def register(name: str, cls: type) -> None:

@@ -117,6 +117,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # rotary base of sliding layers (rope_local_base_freq)
     gpt: Any = None                 # models/gpt_config.GptStyle for the GPT-style families, else None
     rotary_dim: int | None = None   # features per head that rotate (Phi-3's partial_rotary_factor); None: all
+    moe: Any = None                 # models/moe_config.MoeStyle for mixture-of-experts models, else None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

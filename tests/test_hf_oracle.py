@@ -77,6 +77,16 @@ FAMILIES += [
                                                 original_max_position_embeddings=128, pad_token_id=0,
                                                 rope_scaling=PHI3_LONGROPE)),
 ]
+# Mixture of experts (models/mixtral.py): Mixtral with a sliding window, top-2 of 8 experts;
+# Qwen3-MoE with top-3 of 8 renormalized, q/k norms and a dense layer (mlp_only_layers).
+# Tensor parallelism and Qwen2-MoE's shared expert: tests/test_moe.py.
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=24)
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, head_dim=32,
+                 norm_topk_prob=True, mlp_only_layers=[1])
+FAMILIES += [
+    Family("mixtral-window", _cfg("MixtralConfig", **MIXTRAL)),
+    Family("qwen3-moe", _cfg("Qwen3MoeConfig", **QWEN3_MOE)),
+]
 # The GPT-style families (models/gpt.py), each with its own config field names; the
 # variants of each (post-norm OPT, old Falcon, multi-head BigCode, ...) are checked against
 # HF's logits in tests/test_gpt_families.py.

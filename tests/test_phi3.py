@@ -117,3 +117,25 @@ def test_quantized_weights_and_int8_kv_stay_close(phi3):
     for mode, tol in (("int8", 0.05), ("int4", 0.35)):
         err = _rel_err(tail_logits(quantize_model(model, mode), ids, TAIL, kv_int8=mode == "int8"), base)
         assert 0 < err < tol, f"{mode}: relative logit error {err:.2e}"
+
+
+def test_tensor_parallel_2_matches_hf(tmp_path):
+    """tp=2 on two fake CPU devices (tests/test_gpt_families.py's subprocess worker): the
+    q/k/v and gate/up split from the fused tensors shard like Llama's; the short regime
+    (original length 128 = the worker's max_model_len)."""
+    import json
+    import os
+    import subprocess
+
+    from test_gpt_families import GREEDY, PROMPTS, hf_greedy
+
+    hf = build_family(Family("phi3-short", lambda: transformers.Phi3Config(
+        **{**PHI3, "original_max_position_embeddings": 128})), str(tmp_path))
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    worker = pathlib.Path(__file__).with_name("test_gpt_families.py")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, str(worker), json.dumps({"phi3": str(tmp_path)})],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["phi3"] == want

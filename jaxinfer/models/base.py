@@ -22,17 +22,21 @@ from jaxinfer.config import ModelConfig
 
 @dataclass(frozen=True, slots=True)
 class WeightSpec:
-    """One weight: our shape (matmul weights are [in, out]), logical axes, HF source."""
+    """One weight: our shape (matmul weights are [in, out]; expert weights [experts, in,
+    out]), logical axes, HF source."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]   # logical axis names; sharding.py maps them to mesh axes
     hf_name: str
-    transpose: bool = False        # HF/torch stores linear weights as [out, in]
+    transpose: bool = False        # HF/torch stores linear weights as [out, in] (swap the last two axes)
     init: str = "normal"           # "normal" | "ones" | "zeros" (random init for tests)
     # The part of the HF tensor that is this weight, taken before the transpose (a fused
     # q/k/v checkpoint tensor -> its q, k or v rows); None: the whole tensor.
     hf_take: Callable[[np.ndarray], np.ndarray] | None = None
     hf_alt: str | None = None      # the name other writers use (e.g. without the base prefix)
+    # > 0: one HF tensor per expert, ``hf_name`` holding "{e}" for its index, stacked on a
+    # new leading axis (each taken and transposed on its own)
+    hf_experts: int = 0
 
 
 MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]   # x [T, K], w [K, N] -> [T, N]

@@ -77,6 +77,15 @@ FAMILIES += [
                                                 original_max_position_embeddings=128, pad_token_id=0,
                                                 rope_scaling=PHI3_LONGROPE)),
 ]
+# Gemma 3: sliding (window 24) and global layers with their own rope bases (linear scaling
+# on the global ones), q/k norms, (1 + w) norms, scaled embeddings, final soft-capping.
+FAMILIES += [
+    Family("gemma3-sliding-global", _cfg(
+        "Gemma3TextConfig", head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=8.0, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+]
 # Mixture of experts (models/mixtral.py): Mixtral with a sliding window, top-2 of 8 experts;
 # Qwen3-MoE with top-3 of 8 renormalized, q/k norms and a dense layer (mlp_only_layers).
 # Tensor parallelism and Qwen2-MoE's shared expert: tests/test_moe.py.

@@ -27,7 +27,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rms_norm_plus_one(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: scale by (1 + weight), all in float32, then cast (HF Gemma3RMSNorm)."""
     x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    var = row_sum(x32 * x32)[..., None] / x.shape[-1]       # fixed order, as rms_norm
     return (x32 * jax.lax.rsqrt(var + eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -128,8 +128,9 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: float) -> jax.Array:
     """x [..., D]: LayerNorm (mean and variance in float32, as torch's on float32 input)."""
     x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    # fixed summation orders (reductions.row_sum), as rms_norm
+    mean = row_sum(x32)[..., None] / x.shape[-1]
+    var = row_sum(jnp.square(x32 - mean))[..., None] / x.shape[-1]
     y = ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
     return y if bias is None else y + bias
 

@@ -41,6 +41,12 @@ CASES = {
 V = TINY["vocab_size"]
 PROMPTS = [np.random.RandomState(i).randint(3, V, size=n).tolist() for i, n in enumerate((5, 40, 70))]
 TAIL = 16
+# Engine runs (TP and Qwen2-MoE): the shapes of tests/test_gpt_families.py (4 decode slots,
+# 2 x 16-position prefill slots, so the 40- and 70-token prompts are chunked).
+ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
+                 decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
+                 page_buckets=(8,))
+TOKENS = 16
 _BUILT: dict[str, tuple[object, str]] = {}
 
 
@@ -150,6 +156,28 @@ def test_moe_block_rows_are_batch_invariant_on_xla_dots(dtype):
         assert np.array_equal(got.view(np.uint8), rows[:n].view(np.uint8)), f"{dtype}: batch of {n}"
 
 
+def test_qwen2_moe_engine_matches_hf(root):
+    """Qwen2-MoE through the single-device engine, whose CPU layout fuses the shared
+    expert's gate / up weights (quantization.prepare_float_for_cpu): greedy = transformers."""
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+    from test_gpt_families import hf_greedy
+
+    hf, path = checkpoint("qwen2_moe", root)
+    engine = Engine(loaded=load_model(path), progress=False, **ENGINE_KW)
+    layer = engine.loaded.model.layers[0]
+    assert hasattr(layer, "w_gate_up") or not _f32_kernel(), "expected the fused shared expert"
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    got = [r.outputs[0].token_ids for r in engine.generate(PROMPTS, greedy)]
+    assert got == [hf_greedy(hf, p, TOKENS) for p in PROMPTS]
+
+
+def _f32_kernel() -> bool:
+    from pallas_kernels import cpu_f32_matmul
+
+    return cpu_f32_matmul.available()
+
+
 def test_weight_quantization_refused_and_int8_kv_close(root):
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
@@ -183,21 +211,13 @@ def test_unsupported_moe_configs_are_refused():
                                   num_key_value_heads=4), 4)
 
 
-# TP: the engine shapes of tests/test_gpt_families.py (4 decode slots, 2 x 16-position
-# prefill slots, so the 40- and 70-token prompts are chunked).
-TP_ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                    decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
-                    page_buckets=(8,))
-TP_TOKENS = 16
-
-
 def test_tensor_parallel_2_matches_hf(root):
     """tp=2 on fake CPU devices: each device holds half of the experts (and of the heads,
     MLP and vocabulary); greedy tokens equal transformers' for every MoE family."""
     from test_gpt_families import hf_greedy
 
     dirs = {c: checkpoint(c, root)[1] for c in CASES}
-    want = {c: [hf_greedy(checkpoint(c, root)[0], p, TP_TOKENS) for p in PROMPTS] for c in CASES}
+    want = {c: [hf_greedy(checkpoint(c, root)[0], p, TOKENS) for p in PROMPTS] for c in CASES}
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, __file__, json.dumps(dirs)], capture_output=True, text=True,
@@ -217,9 +237,9 @@ def _tp_worker(dirs: dict[str, str]) -> None:
     from jaxinfer.loading import load_model
 
     out = {}
-    greedy = SamplingParams(temperature=0, max_tokens=TP_TOKENS, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     for case, path in dirs.items():
-        eng = Engine(loaded=load_model(path), progress=False, tensor_parallel_size=2, **TP_ENGINE_KW)
+        eng = Engine(loaded=load_model(path), progress=False, tensor_parallel_size=2, **ENGINE_KW)
         w = eng.loaded.model.layers[0].moe_gate[...]
         out[case] = {"tokens": [r.outputs[0].token_ids for r in eng.generate(PROMPTS, greedy)],
                      "expert_spec": list(w.sharding.spec),

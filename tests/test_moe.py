@@ -16,9 +16,7 @@ after warm-up) runs Mixtral and Qwen3-MoE in tests/test_hf_oracle.py's FAMILIES.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -31,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
 from test_hf_oracle import MIXTRAL, QWEN3_MOE, TINY, Family, build_family  # noqa: E402
+from tp_worker import run_on_fake_devices  # noqa: E402
 
 CASES = {
     "mixtral": ("MixtralConfig", MIXTRAL),
@@ -87,7 +86,6 @@ def test_logits_match_hf(case, root):
 
 def _random_experts(E: int, D: int, F: int, dtype, seed: int = 0):
     import jax
-    import jax.numpy as jnp
 
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     g = (0.2 * jax.random.normal(ks[0], (E, D, F))).astype(dtype)
@@ -218,12 +216,7 @@ def test_tensor_parallel_2_matches_hf(root):
 
     dirs = {c: checkpoint(c, root)[1] for c in CASES}
     want = {c: [hf_greedy(checkpoint(c, root)[0], p, TOKENS) for p in PROMPTS] for c in CASES}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, __file__, json.dumps(dirs)], capture_output=True, text=True,
-                       env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_on_fake_devices(__file__, dirs, devices=8, timeout=900)
     for c in CASES:
         assert got[c]["expert_spec"] == ["model", None, None], f"{c}: experts not split over the model axis"
         assert got[c]["experts_per_device"] == CASES[c][1].get("num_experts",

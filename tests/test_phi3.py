@@ -123,19 +123,11 @@ def test_tensor_parallel_2_matches_hf(tmp_path):
     """tp=2 on two fake CPU devices (tests/test_gpt_families.py's subprocess worker): the
     q/k/v and gate/up split from the fused tensors shard like Llama's; the short regime
     (original length 128 = the worker's max_model_len)."""
-    import json
-    import os
-    import subprocess
-
     from test_gpt_families import GREEDY, PROMPTS, hf_greedy
+    from tp_worker import run_on_fake_devices
 
     hf = build_family(Family("phi3-short", lambda: transformers.Phi3Config(
         **{**PHI3, "original_max_position_embeddings": 128})), str(tmp_path))
     want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-    worker = pathlib.Path(__file__).with_name("test_gpt_families.py")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, str(worker), json.dumps({"phi3": str(tmp_path)})],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1])["phi3"] == want
+    worker = str(pathlib.Path(__file__).with_name("test_gpt_families.py"))
+    assert run_on_fake_devices(worker, {"phi3": str(tmp_path)}, devices=2)["phi3"] == want

@@ -24,8 +24,6 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
      "jaxinfer.models.mixtral", "jaxinfer.models.moe", "jaxinfer.models.moe_config",
      "jaxinfer.models.phi3", "jaxinfer.models.registry"),
     ("jaxinfer.loading", "jaxinfer.loading.checkpoint"),
-    # protocol.py parses guided/tool fields by calling modules that import its helpers
-    ("serving.guided_protocol", "serving.protocol", "serving.tools"),
     # `jaxinfer serve` / `jaxinfer bench serve` start the server that imports the CLI's args
     ("jaxinfer.bench.cli", "jaxinfer.cli", "serving.server"),
 }

@@ -127,7 +127,7 @@ def test_grouped_matmul_matches_per_pair_reference():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_moe_block_rows_are_batch_invariant_on_xla_dots(dtype):
     """A sparse layer's MLP (routing, grouped experts, combine) for a token alone and among
-    2..299 others gives the same bits on XLA's own dots (layers.xla_matmul, invariant
+    2..299 others gives the same bits on XLA's own dots (matmul.xla_matmul, invariant
     tiles; no C++ kernel), whose kernel depends on the row count: the expert tiles keep it
     fixed, and the router logits keep their bf16 rounding (layers.as_computed)."""
     import functools
@@ -136,13 +136,13 @@ def test_moe_block_rows_are_batch_invariant_on_xla_dots(dtype):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxinfer.models import layers as L
+    from jaxinfer import matmul as M
     from jaxinfer.models.mixtral import MixtralForCausalLM
 
     cfg = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 8,
                                "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1})
     layer = MixtralForCausalLM(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)).layers[0]
-    mm = functools.partial(L.xla_matmul, invariant=True)
+    mm = functools.partial(M.xla_matmul, invariant=True)
     block = jax.jit(lambda x: layer.mlp(x, mm, None))
     xs = jnp.asarray(np.random.RandomState(2).randn(300, 64), jnp.dtype(dtype))
     rows = np.asarray(block(xs))

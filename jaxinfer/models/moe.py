@@ -9,7 +9,7 @@ ones are skipped at run time).
 
 Batch invariance: a token's routing and output must not depend on the other tokens of its
 step. Every dot runs on a tile of a fixed number of rows in XLA:CPU's 2..32-row kernel
-regime (layers.INVARIANT_TILE) or through the f32 C++ kernel (invariant for any row
+regime (matmul.INVARIANT_TILE) or through the f32 C++ kernel (invariant for any row
 count), so a row's product never depends on which rows share its tile; the softmax and
 the renormalization sum with reductions.row_sum (a fixed order whatever the row count);
 each token adds its experts' outputs in increasing expert order, as transformers does.
@@ -26,7 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.models import layers as L
+from jaxinfer import matmul as M
 from jaxinfer.models.base import MatmulFn
 from jaxinfer.reductions import row_sum
 
@@ -45,9 +45,9 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 
 def tile_rows(num_pairs: int, num_experts: int) -> int:
     """Rows per tile for a step of ``num_pairs`` (token, expert) pairs: about one tile per
-    expert, a power of two in [2, INVARIANT_TILE] (one row would leave the 2..32 regime)."""
+    expert, a power of two in [2, matmul.INVARIANT_TILE] (one row would leave the 2..32 regime)."""
     per_expert = -(-num_pairs // max(num_experts, 1))
-    return max(2, min(L.INVARIANT_TILE, 1 << (per_expert - 1).bit_length()))
+    return max(2, min(M.INVARIANT_TILE, 1 << (per_expert - 1).bit_length()))
 
 
 def grouped_expert_mlp(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,

@@ -52,6 +52,9 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     bits = check_mode(mode)
     if bits is None:
         return model
+    if not getattr(type(model), "quantization", True):
+        raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
+                         "(mixture-of-experts weights are not quantized yet); run it unquantized")
     from jaxinfer.matmul import pack_for_backend
     from pallas_kernels.quantized_matmul.xla import quantize
 

@@ -21,7 +21,8 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
     # ModelConfig's family hooks reach back into the model files that import ModelConfig
     ("jaxinfer.config", "jaxinfer.models.base", "jaxinfer.models.gemma3", "jaxinfer.models.gpt",
      "jaxinfer.models.gpt_config", "jaxinfer.models.layers", "jaxinfer.models.llama",
-     "jaxinfer.models.registry"),
+     "jaxinfer.models.mixtral", "jaxinfer.models.moe", "jaxinfer.models.moe_config",
+     "jaxinfer.models.phi3", "jaxinfer.models.registry"),
     ("jaxinfer.loading", "jaxinfer.loading.checkpoint"),
 }
 # Imports against the documented direction, as (importer, imported) module pairs.

@@ -304,7 +304,8 @@ def hf_gemma3_twin(loaded: Any) -> Any:
     import torch
     import transformers
 
-    from jaxinfer.models.base import flat_params, weight_specs
+    from jaxinfer.models.base import flat_params
+    from jaxinfer.models.registry import weight_specs
 
     cfg, hc = loaded.config, loaded.hf_config
     hf_cfg = transformers.Gemma3TextConfig(

@@ -226,20 +226,6 @@ class ModelConfig:
         return {"sm_scale": self.sm_scale, "sliding_window": self.layer_window(layer),
                 "soft_cap": self.attn_soft_cap}
 
-    @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Build from an HF ``config.json`` dict; errors name the missing or bad field."""
-        archs = d.get("architectures") or []
-        _require(isinstance(archs, list) and len(archs) >= 1, "architectures",
-                 "config.json must list the model class, e.g. [\"LlamaForCausalLM\"]")
-        arch = archs[0]
-        if arch not in LLAMA_FAMILY:
-            # Other families parse their own fields (models/<family>.py, via the registry,
-            # which raises for an unknown architecture with the list of supported ones).
-            from jaxinfer.models.registry import config_parser
-            return config_parser(arch)(d)
-        return cls(**hf_common_fields(d, arch))
-
 
 def hf_common_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """ModelConfig fields of an HF config.json dict as the Llama family reads them; other

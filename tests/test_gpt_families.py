@@ -27,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
+from jaxinfer.config import SamplingParams  # noqa: E402
 from tp_worker import run_on_fake_devices  # noqa: E402
 
 V, NPOS = 256, 128
@@ -187,7 +188,7 @@ def test_tensor_parallel_2_matches_hf(root):
 
 def test_unsupported_config_fields_are_refused():
     def cfg(arch, **d):
-        return ModelConfig.from_hf({"architectures": [arch], "vocab_size": V, **d})
+        return config_from_hf({"architectures": [arch], "vocab_size": V, **d})
 
     gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=NPOS)
     with pytest.raises(ValueError, match="activation_function: .*unsupported activation 'swish'"):
@@ -221,13 +222,13 @@ def test_alibi_and_clip_are_exercised():
     import dataclasses
 
     from jaxinfer.loading import hf_tensors_to_flat
-    from jaxinfer.models.llama import params_from_flat
+    from jaxinfer.models.registry import params_from_flat
     from jaxinfer.quality import tail_logits
 
     for case, field, value in (("bloom", "positions", "none"), ("mpt-6-heads-clip", "clip_qkv", None)):
         hf = build_hf(case)
         d = dict(hf.config.to_dict(), architectures=[CASES[case][0]])
-        cfg = ModelConfig.from_hf(d)
+        cfg = config_from_hf(d)
         flat = hf_tensors_to_flat(cfg, {k: v.detach().numpy() for k, v in hf.state_dict().items()})
         # the same weights without the ALiBi bias / without the clamp
         cfg2 = dataclasses.replace(cfg, gpt=dataclasses.replace(cfg.gpt, **{field: value}))

@@ -27,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
+from jaxinfer.config import SamplingParams  # noqa: E402
 from test_hf_oracle import MIXTRAL, QWEN3_MOE, TINY, Family, build_family  # noqa: E402
 from tp_worker import run_on_fake_devices  # noqa: E402
 
@@ -139,7 +140,7 @@ def test_moe_block_rows_are_batch_invariant_on_xla_dots(dtype):
     from jaxinfer import matmul as M
     from jaxinfer.models.mixtral import MixtralForCausalLM
 
-    cfg = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 8,
+    cfg = config_from_hf({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 8,
                                "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1})
     layer = MixtralForCausalLM(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)).layers[0]
     mm = functools.partial(M.xla_matmul, invariant=True)
@@ -192,7 +193,7 @@ def test_weight_quantization_refused_and_int8_kv_close(root):
 
 def test_unsupported_moe_configs_are_refused():
     def cfg(arch, **d):
-        return ModelConfig.from_hf({"architectures": [arch], **TINY, **d})
+        return config_from_hf({"architectures": [arch], **TINY, **d})
 
     with pytest.raises(ValueError, match="num_experts_per_tok: 9 is more than the 8 experts"):
         cfg("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=9)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
 from jaxinfer.models.base import fit_context  # noqa: E402
@@ -88,7 +88,7 @@ def test_engine_long_regime_matches_hf(phi3):
 
 def test_unsupported_phi3_configs_are_refused():
     def cfg(**d):
-        return ModelConfig.from_hf({"architectures": ["Phi3ForCausalLM"], **TINY, **d})
+        return config_from_hf({"architectures": ["Phi3ForCausalLM"], **TINY, **d})
 
     with pytest.raises(ValueError, match="rope_scaling.rope_type: unsupported 'dynamic'"):
         cfg(rope_scaling={"rope_type": "dynamic", "factor": 2.0})

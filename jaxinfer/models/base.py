@@ -75,25 +75,15 @@ def init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
 
 
 
-def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """The weight table of ``cfg``'s family."""
-    from jaxinfer.models.registry import model_class
-
-    return model_class(cfg.architecture).weight_specs(cfg)
-
-
-def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
-                     place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
-                     ) -> nnx.Module:
-    """Build the module with every weight taken from ``flat`` (our paths -> arrays).
+def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
+                 place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
+                 ) -> nnx.Module:
+    """Build family ``cls``'s module with every weight taken from ``flat`` (our paths -> arrays).
 
     The module is created abstractly (no random init is materialized), then filled.
     ``place(logical_axes, host_array)`` puts each weight where it lives (sharding.placer:
     each device gets only its slice); by default the default device.
     """
-    from jaxinfer.models.registry import model_class
-
-    cls = model_class(cfg.architecture)
     specs = cls.weight_specs(cfg)
     missing = [p for p in specs if p not in flat]
     if missing:
@@ -124,7 +114,7 @@ def get_param(model: nnx.Module, path: str) -> nnx.Param:
 
 def flat_params(model: nnx.Module) -> dict[str, jax.Array]:
     """Our paths -> arrays (for saving and inspection)."""
-    return {path: get_param(model, path)[...] for path in weight_specs(model.cfg)}
+    return {path: get_param(model, path)[...] for path in type(model).weight_specs(model.cfg)}
 
 
 def fit_context(model: nnx.Module, max_model_len: int) -> nnx.Module:

@@ -25,7 +25,7 @@ from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 # Re-exported: the family-neutral pieces used to live here and are imported from here.
 from jaxinfer.models.base import (AttentionFn, MatmulFn, WeightSpec, flat_params,  # noqa: F401
-                                  init_value, params_from_flat)
+                                  init_value)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:

@@ -267,23 +267,28 @@ def _key(s: Seq, key) -> Seq:
 
 # --- batch invariance --------------------------------------------------------------------
 
-def _target_output(c: Case, slot: int, impl: str) -> np.ndarray:
+def _target_output(c: Case, slot: int, impl: str, **kw) -> np.ndarray:
     out = np.asarray(fast(jnp.asarray(c.q), jnp.asarray(c.k_pages), jnp.asarray(c.v_pages),
                           jnp.asarray(c.kv_lens), jnp.asarray(c.q_lens),
                           jnp.asarray(c.page_table), impl=impl, num_decode=c.num_decode,
-                          prefill_chunk=c.prefill_chunk, sm_scale=0.125))
+                          prefill_chunk=c.prefill_chunk, sm_scale=0.125, **kw))
     start = slot if slot < c.num_decode else c.num_decode + (slot - c.num_decode) * c.prefill_chunk
     return out[start:start + int(c.q_lens[slot])]
 
 
-def test_batch_invariance_decode(impl):
-    """One decoding sequence: same bits alone, among others, at any slot, with any bucket."""
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_batch_invariance_decode(impl, alibi):
+    """One decoding sequence: same bits alone, among others, at any slot, with any bucket
+    (also with ALiBi slopes, which BLOOM / MPT add)."""
+    from jaxinfer.models.layers import alibi_slopes
+
+    kw = dict(alibi_slopes=jnp.asarray(alibi_slopes(9, "bloom"))) if alibi else {}
     data = {}
     geo = dict(page_size=16, heads=9, kv_heads=3, head_dim=64, data=data)
     tgt = lambda: _key(Seq(301, 1), "t")  # noqa: E731
     others = lambda n, seed: [_key(Seq(int(x), 1), f"o{seed}_{i}") for i, x in  # noqa: E731
                               enumerate(np.random.default_rng(seed).integers(1, 700, n))]
-    alone = _target_output(make_case([tgt()], 1, 0, **geo), 0, impl)
+    alone = _target_output(make_case([tgt()], 1, 0, **geo), 0, impl, **kw)
     variants = [
         (make_case([tgt()], 1, 0, max_pages=64, **geo), 0),                     # longer table
         (make_case(others(5, 1) + [tgt(), Seq(0, 0), Seq(0, 0)], 8, 0, **geo), 5),  # padded slots
@@ -291,22 +296,26 @@ def test_batch_invariance_decode(impl):
         (make_case(others(63, 5)[:40] + [tgt()] + others(63, 5)[40:], 64, 0, **geo), 40),
     ]
     for c, slot in variants:
-        np.testing.assert_array_equal(_target_output(c, slot, impl), alone)
+        np.testing.assert_array_equal(_target_output(c, slot, impl, **kw), alone)
 
 
-def test_batch_invariance_prefill(impl):
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_batch_invariance_prefill(impl, alibi):
     """A prefill chunk: same bits whatever else is in the step and whatever the bucket."""
+    from jaxinfer.models.layers import alibi_slopes
+
+    kw = dict(alibi_slopes=jnp.asarray(alibi_slopes(9, "bloom"))) if alibi else {}
     data = {}
     geo = dict(page_size=16, heads=9, kv_heads=3, head_dim=64, data=data)
     tgt = lambda: _key(Seq(500, 200), "t")  # noqa: E731
-    alone = _target_output(make_case([tgt()], 0, 200, **geo), 0, impl)
+    alone = _target_output(make_case([tgt()], 0, 200, **geo), 0, impl, **kw)
     variants = [
         (make_case([tgt()], 0, 256, max_pages=48, **geo), 0),                  # bigger chunk/table
         (make_case([Seq(30, 1)] * 8 + [Seq(100, 100), tgt(), Seq(0, 0)], 8, 256, **geo), 9),
         (make_case([Seq(800, 30), tgt()], 0, 512, max_pages=80, **geo), 1),
     ]
     for c, slot in variants:
-        np.testing.assert_array_equal(_target_output(c, slot, impl), alone)
+        np.testing.assert_array_equal(_target_output(c, slot, impl, **kw), alone)
 
 
 def test_same_bits_in_decode_slot_prefill_slot_any_chunk_and_page_size(impl):
@@ -385,21 +394,23 @@ def test_cpp_kernel_errors_name_the_problem():
         cpp(*args[:4], args[4] + 1, args[5], **kw).block_until_ready()
 
 
-def test_alibi_matches_reference_and_dense():
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_alibi_matches_reference_and_dense(impl, kv_heads):
     """ALiBi (BLOOM / MPT): the fast path and the reference add slope * (key - query
     position) per head; the dense float64 check adds BLOOM's slope * key position."""
     from jaxinfer.models.layers import alibi_slopes
 
-    c = make_case(MIX, 4, 48, page_size=16, heads=8, kv_heads=8, head_dim=64, seed=11)
+    c = make_case(MIX, 4, 48, page_size=16, heads=8, kv_heads=kv_heads, head_dim=64, seed=11)
     kw = dict(sm_scale=0.125, alibi_slopes=jnp.asarray(alibi_slopes(8, "bloom")))
-    out, r = run_both(c, "xla", **kw)
+    out, r = run_both(c, impl, **kw)
     d = dense_numpy(c, **dict(kw, alibi_slopes=np.asarray(kw["alibi_slopes"])))
     np.testing.assert_allclose(r, d, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(out, r, atol=1e-5, rtol=1e-5)
-    plain, _ = run_both(c, "xla", sm_scale=0.125)
+    rows = used_rows(c)
+    np.testing.assert_allclose(out[rows], r[rows], atol=1e-5, rtol=1e-5)
+    plain, _ = run_both(c, impl, sm_scale=0.125)
     assert np.abs(plain - out).max() > 1e-2          # the slopes change the result
     with pytest.raises(ValueError, match=r"alibi_slopes: expected \[8\]"):
-        run_both(c, "xla", sm_scale=0.125, alibi_slopes=jnp.ones(4))
+        run_both(c, impl, sm_scale=0.125, alibi_slopes=jnp.ones(4))
 
 
 def test_alibi_slopes_follow_transformers():
@@ -420,11 +431,13 @@ def test_alibi_slopes_follow_transformers():
         np.testing.assert_allclose(alibi_slopes(h, "mpt"), -mpt, rtol=1e-6)
 
 
-def test_alibi_falls_back_to_the_jnp_path():
+def test_alibi_runs_the_cpp_kernel_on_cpu_and_jnp_on_accelerators():
     from jaxinfer.attention import dispatch
+    from pallas_kernels.attention import cpu as cpu_attention
 
-    assert dispatch.select("auto", "cpu", alibi=True) == ("xla", ragged_paged_attention)
+    cpu_name = "cpp" if cpu_attention.available() else "xla"
+    assert dispatch.select("auto", "cpu", alibi=True)[0] == cpu_name
     assert dispatch.select("auto", "tpu", alibi=True)[0] == "xla"
-    for name in ("cpp", "pallas"):
-        with pytest.raises(ValueError, match=f"attention: '{name}' does not take ALiBi slopes"):
-            dispatch.select(name, "cpu", alibi=True)
+    assert dispatch.select("xla", "cpu", alibi=True) == ("xla", ragged_paged_attention)
+    with pytest.raises(ValueError, match="attention: 'pallas' does not take ALiBi slopes"):
+        dispatch.select("pallas", "cpu", alibi=True)

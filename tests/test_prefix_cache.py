@@ -139,9 +139,9 @@ def test_scheduler_counts_queries_and_hits():
         sched.postprocess(out, {e.seq.seq_id: 1 for e in out.scheduled})
         for e in out.scheduled:
             sched.finish(e.seq, "length")
-    st = sched.stats()
+    st = sched.prefix_cache_stats()
     assert st["prefix_cache_queries_total"] == 20 and st["prefix_cache_hits_total"] == 8
-    assert st["prefix_cache_pages"] == 2 and st["num_free_pages"] == 31
+    assert st["prefix_cache_pages"] == 2 and bm.num_free_pages == 31
 
 
 def test_data_parallel_admission_prefers_the_longest_cached_prefix():

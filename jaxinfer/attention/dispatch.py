@@ -11,8 +11,8 @@ K/V pages, kv_lens, q_lens, page_table, and the static bucket layout.
 * ``pallas``: pallas_kernels/attention/pallas.py — the Mosaic kernel on TPU, the
   Triton kernel on GPU. Not available on CPU (its tests run it there in interpret mode).
 * ``auto``: ``pallas`` on TPU / GPU; on CPU ``cpp`` for float32 pages when the kernel
-  builds (a C++ compiler is there), else ``xla``. ALiBi models (BLOOM, MPT) always get
-  ``xla``: neither kernel takes the slopes yet (logged).
+  builds (a C++ compiler is there), else ``xla``. ALiBi models (BLOOM, MPT) get ``xla``
+  on TPU / GPU: the Pallas kernels take no slopes yet (logged).
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
     """Returns (the implementation's name, the function) for ``backend`` (default: JAX's).
     ``xla`` and ``pallas`` read float and int8 KV pages (``kv_quantized`` is logged);
     ``cpp`` reads float32 pages only (``kv_dtype``). ``alibi``: the model adds ALiBi
-    slopes, which only ``xla`` takes."""
+    slopes, which ``xla`` and ``cpp`` take (not ``pallas``)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {name!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
     backend = backend or jax.default_backend()
-    if alibi and name != "xla":
-        if name != "auto":
-            raise ValueError(f"attention: {name!r} does not take ALiBi slopes (BLOOM / MPT); "
-                             "use 'xla' or 'auto'")
-        log.info("attention: ALiBi model -> the jnp path (the C++ and Pallas kernels take no slopes)")
+    if alibi and name == "pallas":
+        raise ValueError("attention: 'pallas' does not take ALiBi slopes (BLOOM / MPT); "
+                         "use 'xla', 'cpp' or 'auto'")
+    if alibi and name == "auto" and backend in ("tpu", "gpu"):
+        log.info("attention: ALiBi model -> the jnp path (the Pallas kernels take no slopes)")
         name = "xla"
     f32_pages = not kv_quantized and jnp.dtype(kv_dtype) == jnp.float32
     if name == "auto":

@@ -162,7 +162,7 @@ def _write(args: argparse.Namespace, summary: dict, results: list, model: str, t
     now = datetime.datetime.now(datetime.timezone.utc)
     stem = args.result_name or f"bench-{args.bench_command}-{now:%Y%m%d-%H%M%S}"
     prefix = os.path.join(args.result_dir, stem)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "make_app")}
     config["request_rate"] = str(config.get("request_rate", ""))
     body = {"command": args.bench_command, "model": model, "date_utc": now.isoformat(timespec="seconds"),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},

@@ -46,7 +46,7 @@ def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_len
                        page_table, cfg: ModelConfig, alibi_slopes=None):
     """AttentionFn for the model: write this step's K/V into the pages, then attend with
     the layer's options (scale, sliding window, soft-cap: ModelConfig.attention_kwargs).
-    ``alibi_slopes`` f32[this device's heads] for ALiBi models (only the jnp path takes them)."""
+    ``alibi_slopes`` f32[this device's heads] for ALiBi models (the jnp and C++ paths take them)."""
     extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
 
     def attn(layer: int, q, k, v, cache):

@@ -36,10 +36,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array, *,
                            num_decode: int, prefill_chunk: int, sm_scale: float,
                            sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> jax.Array:
+                           soft_cap: float | None = None,
+                           alibi_slopes: jax.Array | None = None) -> jax.Array:
     """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D]; kv_lens, q_lens i32[S];
-    page_table i32[S, P]. Returns [T, H, D] in q's dtype (f32 math). Call ``available()``
-    first: it registers the kernel."""
+    page_table i32[S, P]; ``alibi_slopes`` f32[H] (BLOOM / MPT: query head h adds
+    slope[h] * (key pos - query pos) to its scores). Returns [T, H, D] in q's dtype (f32
+    math). Call ``available()`` first: it registers the kernel."""
     from pallas_kernels.attention.xla import check_args
 
     check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
@@ -52,9 +54,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
+        raise ValueError(f"alibi_slopes: expected [{q.shape[1]}] (one per query head), got {alibi_slopes.shape}")
+    slopes = jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, kv_lens.astype(jnp.int32),
-        q_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+        q_lens.astype(jnp.int32), page_table.astype(jnp.int32), slopes,
         num_decode=np.int64(num_decode), prefill_chunk=np.int64(prefill_chunk),
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))

@@ -15,7 +15,8 @@
 // Batch invariance, by construction: each (query row, head) is computed by one thread in
 // one fixed order that depends only on that row's q, its position and its sequence's K/V:
 //   scores  s_i = (q . k_i) * sm_scale, i = lo..pos (each dot: 8 lanes over D in order,
-//           then one fixed horizontal tree); optional soft cap c * tanh(s / c)
+//           then one fixed horizontal tree); optional soft cap c * tanh(s / c); optional
+//           ALiBi (BLOOM / MPT): s_i += slope[h] * (i - pos)
 //   m = max s_i; p_i = exp(s_i - m) (one vector exp); l = sum p_i (lane i - lo mod 8,
 //           in order, then the fixed tree); out = (sum_i p_i v_i, i in order) / l.
 // Nothing depends on the batch, the bucket, the page size, the slot kind (decode or
@@ -94,6 +95,7 @@ struct Args {
   float sm_scale;
   int64_t window;          // 0: none
   float soft_cap;          // 0: none
+  const float* alibi;      // [H] slopes; nullptr: none
 };
 
 // Scores of one query row against keys krow[0..n): s[i] = (q . k_i) * scale, eight keys
@@ -233,6 +235,12 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
       for (int64_t g = 0; g < G; ++g)
         scores(q0 + g * D, w.krow.data() + lo + b, std::min(kKeyBlock, n - b), D, a.sm_scale,
                w.s.data() + g * (npos + 8) + b);
+    if (a.alibi)                                  // per-row: the batch never enters
+      for (int64_t g = 0; g < G; ++g) {
+        const float slope = a.alibi[kvh * G + g];
+        float* s = w.s.data() + g * (npos + 8);
+        for (int64_t i = 0; i < n; ++i) s[i] += slope * static_cast<float>(lo + i - pos);
+      }
     for (int64_t g = 0; g < G; ++g) w.l[g] = softmax_numerators(w.s.data() + g * (npos + 8), n, a.soft_cap);
     std::memset(o0, 0, G * D * sizeof(float));
     for (int64_t b = 0; b < n; b += kKeyBlock)
@@ -251,6 +259,7 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_table,
+                         ffi::Buffer<ffi::F32> alibi_slopes,
                          int64_t num_decode, int64_t prefill_chunk, float sm_scale,
                          int64_t sliding_window, float soft_cap,
                          ffi::ResultBuffer<ffi::F32> out) {
@@ -260,7 +269,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                                        "page_table [S, P]");
   Args a{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(), q_lens.typed_data(),
          page_table.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
-         ptd[0], ptd[1], num_decode, prefill_chunk, sm_scale, sliding_window, soft_cap};
+         ptd[0], ptd[1], num_decode, prefill_chunk, sm_scale, sliding_window, soft_cap,
+         alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr};
+  if (a.alibi && alibi_slopes.element_count() != static_cast<size_t>(a.H))
+    return ffi::Error::InvalidArgument("paged_attention: alibi_slopes must hold one slope per query head");
   if (kd[3] != a.D || a.D % 8 || a.H % a.KVH || a.T != a.num_decode + (a.S - a.num_decode) * a.chunk)
     return ffi::Error::InvalidArgument("paged_attention: shapes disagree (D must be a multiple of 8)");
   int64_t macs = 0;
@@ -306,6 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_decode")
                                   .Attr<int64_t>("prefill_chunk")
                                   .Attr<float>("sm_scale")

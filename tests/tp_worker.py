@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 TINY = {
@@ -274,9 +275,15 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
         eng.shutdown()
         res = {"process": process_id, "tokens": [o.outputs[0].token_ids for o in outs],
                "steps": eng.num_steps, "devices": [str(d) for d in eng.runner.mesh.devices.flat]}
-    # process 0 hosts the coordinator: keep it up until the follower has read "stop"
+    # The result goes out before the barrier: past it, process 0 leaves and takes the
+    # coordination service with it, and a follower still polling it is aborted (SIGABRT,
+    # seen in CI under load). So the follower exits at once and process 0 gives it time.
+    sys.stdout.write("\n" + json.dumps(res) + "\n")
+    sys.stdout.flush()
     distributed.global_state.client.wait_at_barrier("tp_worker_done", 120_000)
-    return res
+    if process_id == 0:
+        time.sleep(5)
+    os._exit(0)
 
 
 def main() -> None:

@@ -26,9 +26,9 @@ _VOCAB = 260
 
 
 def _byte_tokens() -> list[str]:
-    from jaxinfer.loading.tokenizer import _byte_alphabet
+    from jaxinfer.loading.tokenizer import byte_alphabet
 
-    return ["<s>", "</s>"] + list(_byte_alphabet().values()) + ["he", "ll"]
+    return ["<s>", "</s>"] + list(byte_alphabet().values()) + ["he", "ll"]
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -291,8 +291,8 @@ def test_truncated_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(p, tiny_hf_weights(), arch="falcon")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3"):
+    write_gguf(p, tiny_hf_weights(), arch="rwkv6")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'rwkv6'.*llama, qwen2, qwen3"):
         load_gguf(str(p))
 
 

@@ -87,21 +87,14 @@ def write_like_llama_cpp(ckpt_dir: str, out: pathlib.Path) -> None:
 
     from safetensors.numpy import load_file
 
-    from test_gguf import _byte_tokens
+    from test_gguf import _byte_tokens, add_metadata
 
     c = json.loads((pathlib.Path(ckpt_dir) / "config.json").read_text())
     arch = GGUF_ARCH[c["architectures"][0]]
     tensors = load_file(str(pathlib.Path(ckpt_dir) / "model.safetensors"))
     n_layer = next(c[k] for k in ("n_layer", "num_hidden_layers", "n_layers") if k in c)
     w = gguf.GGUFWriter(str(out), arch)
-    for k, v in _metadata(arch, c, n_layer).items():
-        key = f"{arch}.{k}"
-        if isinstance(v, bool):
-            w.add_bool(key, v)
-        elif isinstance(v, float):
-            w.add_float32(key, v)
-        else:
-            w.add_uint32(key, v)
+    add_metadata(w, {f"{arch}.{k}": v for k, v in _metadata(arch, c, n_layer).items()})
     toks = _byte_tokens()[2:258]                      # the 256 byte symbols: token id = byte
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

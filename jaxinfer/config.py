@@ -222,7 +222,7 @@ class ModelConfig:
 
     def attention_kwargs(self, layer: int) -> dict[str, Any]:
         """The static keyword arguments every attention implementation takes for ``layer``
-        (attention/xla.py's signature): the one place a layer's attention options are read."""
+        (pallas_kernels/attention/xla.py's signature): the one place a layer's attention options are read."""
         return {"sm_scale": self.sm_scale, "sliding_window": self.layer_window(layer),
                 "soft_cap": self.attn_soft_cap}
 

@@ -171,7 +171,7 @@ def test_qwen2_moe_engine_matches_hf(root):
 
 
 def _f32_kernel() -> bool:
-    from pallas_kernels import cpu_f32_matmul
+    from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
 
     return cpu_f32_matmul.available()
 

@@ -80,6 +80,19 @@ def gguf_name(hf: str) -> str:
     return f"{_TO_GGUF[base]}.{kind}"
 
 
+def add_metadata(w, items: dict) -> None:
+    """Metadata keys by value type, as llama.cpp's converter writes them."""
+    for k, v in items.items():
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, v)
+
+
 def write_gguf(path, weights: dict[str, np.ndarray], arch: str = "llama", *, heads: int = 4,
                kv_heads: int = 2, head_dim: int | None = None, qtype=Q.F32,
                extra_tensors: dict | None = None, meta: dict | None = None,
@@ -97,14 +110,7 @@ def write_gguf(path, weights: dict[str, np.ndarray], arch: str = "llama", *, hea
     if head_dim is not None:
         keys["attention.key_length"] = head_dim
         keys["attention.value_length"] = head_dim
-    for k, v in keys.items():
-        if k in skip_keys:
-            continue
-        full = f"{arch}.{k}"
-        if isinstance(v, float):
-            w.add_float32(full, v)
-        else:
-            w.add_uint32(full, v)
+    add_metadata(w, {f"{arch}.{k}": v for k, v in keys.items() if k not in skip_keys})
     toks = _byte_tokens()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -113,13 +119,7 @@ def write_gguf(path, weights: dict[str, np.ndarray], arch: str = "llama", *, hea
     w.add_token_merges(["h e", "l l"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
-    for k, v in (meta or {}).items():
-        if isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        else:
-            w.add_uint32(k, v)
+    add_metadata(w, meta or {})
     for hf, arr in weights.items():
         if arch == "llama" and ".q_proj." in hf:
             arr = llama_cpp_permute(arr, heads)
@@ -291,8 +291,8 @@ def test_truncated_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(p, tiny_hf_weights(), arch="falcon")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3"):
+    write_gguf(p, tiny_hf_weights(), arch="rwkv6")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'rwkv6'.*llama, qwen2, qwen3"):
         load_gguf(str(p))
 
 

@@ -24,14 +24,17 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize as _gguf_dequantize
 
+from jaxinfer.loading import gguf_gpt
 from jaxinfer.loading.tokenizer import Tokenizer
 
-# GGUF `general.architecture` -> HF `architectures[0]` / `model_type`.
+# GGUF `general.architecture` -> HF `architectures[0]` / `model_type`; the GPT-style ones
+# (gpt2, gptneox, bloom, falcon, starcoder, mpt) are read by loading/gguf_gpt.py.
 SUPPORTED_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    **gguf_gpt.ARCHS,
 }
 
 # GGUF tensor name -> HF name. `{i}` is the layer; `.weight` / `.bias` suffixes carry over.
@@ -129,16 +132,19 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     config["vocab_size"] = config.get("vocab_size") or tokenizer.vocab_size
 
-    names = {}
-    for name in infos:
-        if name == _ROPE_FREQS:
-            continue
-        names[name] = _hf_name(path, name, config["num_hidden_layers"], arch)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    gpt = arch in gguf_gpt.ARCHS
+    if gpt:
+        names = gguf_gpt.hf_names(path, arch, config, list(infos))
+    else:
+        names = {name: _hf_name(path, name, config["num_hidden_layers"], arch)
+                 for name in infos if name != _ROPE_FREQS}
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permute = arch == "llama"
 
     def convert(name: str) -> np.ndarray:
         w = _dequantize(infos[name])
+        if gpt:
+            w = gguf_gpt.to_hf_layout(arch, config, name, w)
         if permute and (".attn_q." in name or ".attn_k." in name):
             w = _unpermute_rows(w, heads if ".attn_q." in name else kv_heads)
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
@@ -152,7 +158,8 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
     # Serial on purpose: a thread pool measured slower (the numpy dequantizers are
     # memory-bound and mostly hold the GIL between their many small ops).
     tensors = {hf: convert(name) for name, hf in names.items()}
-    _check_shapes(path, config, tensors)
+    if not gpt:       # (the GPT families' shapes are checked against their weight table)
+        _check_shapes(path, config, tensors)
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer,
                           generation_config=_generation_config(meta, config, tokenizer))
 
@@ -315,6 +322,8 @@ def _f32(x: float) -> float:
 
 
 def _config(path: str, arch: str, meta: dict, infos: dict) -> dict:
+    if arch in gguf_gpt.ARCHS:
+        return gguf_gpt.config(path, arch, meta, infos)
     hf_arch, model_type = SUPPORTED_ARCHS[arch]
 
     def key(name: str, default: Any = None, required: bool = True) -> Any:

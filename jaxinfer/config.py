@@ -127,7 +127,7 @@ class RopeScaling:
 class ModelConfig:
     """The shape of a decoder-only transformer of the Llama family.
 
-    Names follow HF ``config.json`` where one exists; ``from_hf`` maps the rest.
+    Names follow HF ``config.json`` where one exists; ``models.registry.config_from_hf`` maps the rest.
     """
 
     architecture: str

@@ -91,10 +91,9 @@ def config(path: str, arch: str, meta: dict, infos: dict) -> dict[str, Any]:
 
 def hf_names(path: str, arch: str, cfg: dict, names: list[str]) -> dict[str, str]:
     """GGUF tensor name -> the HF name models/gpt.py's weight table reads."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.models.base import weight_specs
+    from jaxinfer.models.registry import config_from_hf, weight_specs
 
-    mc = ModelConfig.from_hf(cfg)
+    mc = config_from_hf(cfg)
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[_ARCH_ENUM[arch]], mc.num_layers)
     want: dict[str, str] = {}
     for spec in weight_specs(mc).values():

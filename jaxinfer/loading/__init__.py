@@ -7,12 +7,13 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.loading.lazy import LazyTensors
 from jaxinfer.models.base import params_from_flat, weight_specs
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.registry import model_class
@@ -39,21 +40,29 @@ def resolve_dtype(dtype: Any) -> Any:
     return dtype
 
 
-def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
-    flat: dict[str, np.ndarray] = {}
-    for path, spec in weight_specs(cfg).items():
+def hf_tensors_to_flat(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> LazyTensors:
+    """HF-named tensors ([out, in] layout) -> our paths and layout. Names are checked now;
+    each tensor is read, cut (``hf_take``), shape-checked and transposed when the model
+    is built from it (loading/lazy.py: one host tensor at a time)."""
+    source: dict[str, str] = {}
+    specs = weight_specs(cfg)
+    for path, spec in specs.items():
         name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
+        source[path] = name
+
+    def read(path: str) -> np.ndarray:
+        spec, name = specs[path], source[path]
         t = tensors[name]
         if spec.hf_take is not None:
             t = spec.hf_take(t)
         want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
         if tuple(t.shape) != want:
             raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")
-        flat[path] = t.T if spec.transpose else t
-    return flat
+        return t.T if spec.transpose else t
+
+    return LazyTensors(list(source), read)
 
 
 def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None
@@ -73,7 +82,7 @@ def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = 
                             dtype, sharding.placer(mesh))
 
 
-def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any, mesh: Any = None
+def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None
            ) -> tuple[ModelConfig, Any]:
     cfg = ModelConfig.from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them

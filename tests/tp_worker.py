@@ -201,7 +201,6 @@ def mode_default(tps: list[int]) -> dict:
 def mode_load(hf_dir: str, tmp: str) -> dict:
     """Weights land in their shards: from safetensors and from an orbax checkpoint restored
     sharded; every device holds only its slice, values equal the unsharded load."""
-    import jax
     import numpy as np
 
     from jaxinfer import sharding
@@ -280,7 +279,7 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", 1 if a.mode == "mp" else a.devices)
     if a.compilation_cache:
-        from jaxinfer.engine.engine import enable_compilation_cache
+        from jaxinfer.engine.resources import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
     if a.mode == "grid":
         res = mode_grid()

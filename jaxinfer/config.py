@@ -419,6 +419,7 @@ class RequestOutput:
 
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxinfer/xla"
+DEFAULT_WEIGHT_CACHE = "~/.cache/jaxinfer/weights"
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +456,10 @@ class EngineConfig:
     # instead of compiling them. None or "" turns it off; the default defers to a cache
     # the process already configured (jax.config.jax_compilation_cache_dir).
     compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE
+    # The model as a single-device engine runs it (fused, panelled or quantized weights),
+    # saved by a first start and memory-mapped by later ones (loading/weight_cache.py).
+    # None or "" turns it off.
+    weight_cache_dir: str | None = DEFAULT_WEIGHT_CACHE
     seed: int = 0                            # base of per-request seeds when none is given
     # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
     # tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.

@@ -26,9 +26,9 @@ _VOCAB = 260
 
 
 def _byte_tokens() -> list[str]:
-    from jaxinfer.loading.tokenizer import _byte_alphabet
+    from jaxinfer.loading.tokenizer import byte_alphabet
 
-    return ["<s>", "</s>"] + list(_byte_alphabet().values()) + ["he", "ll"]
+    return ["<s>", "</s>"] + list(byte_alphabet().values()) + ["he", "ll"]
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

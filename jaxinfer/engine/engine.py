@@ -55,8 +55,6 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
-        from jaxinfer.loading import load_model
-
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
@@ -69,25 +67,16 @@ class Engine:
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = R.replica_meshes(config)
         R.start_kernel_builds()
-        if loaded is None:
-            loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
-        self.loaded = loaded
+        # the float model is not kept: only the quantized / kernel-laid-out one
+        self.loaded, models = R.engine_models(config, model, loaded, meshes)
+        del loaded
+        release_host_memory()
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         from jaxinfer.loading.default import model_name
         self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
-
-        models = [quantize_model(m, config.quantization) for m in R.place_replicas(loaded, meshes)]
-        if not config.quantization and not meshes:
-            models = [prepare_float_for_cpu(m) for m in models]
-        # keep the quantized model, not the float one (the caller's LoadedModel is untouched);
-        # a float model this engine loaded itself is garbage from here, not kept through warm-up
-        self.loaded = dataclasses.replace(loaded, model=models[0])
-        del loaded
-        release_host_memory()
         # models[0].cfg: KV heads repeated where tensor parallelism needs it
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
                                        self.max_model_len)

@@ -23,11 +23,13 @@ log = logging.getLogger("jaxinfer")
 def load_prepared(model: str | None, dtype: str, quantization: str | None,
                   cache_dir: str | None) -> LoadedModel:
     """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels;
-    through the weight cache in ``cache_dir`` unless it is None / ""."""
+    through the weight cache ``cache_dir`` (EngineConfig.weight_cache_dir) unless it is
+    None / ""."""
     from jaxinfer.engine.memory import release_host_memory
     from jaxinfer.quantization import prepare_for_engine
 
     t0 = time.perf_counter()
+    cache_dir = weight_cache.resolve_dir(cache_dir)
     source = model_path(model)
     options = {"dtype": dtype, "quantization": quantization}
     key = weight_cache.cache_key(source, options) if cache_dir else None

@@ -40,17 +40,39 @@ log = logging.getLogger("jaxinfer")
 
 FORMAT_VERSION = 1
 META = "weights.json"
+MAX_ENTRIES = 6          # the most recently used entries kept (each a model's weights)
+_default_dir: str | None = None
 # The containers a prepared weight may be: name -> class (fields: arrays or JSON scalars).
 _CONTAINERS: dict[str, type] = {}
 
 
 def _containers() -> dict[str, type]:
     if not _CONTAINERS:
+        from jaxinfer.quantization import TiedEmbedding
         from pallas_kernels.cpu_f32_matmul import PanelledF32
         from pallas_kernels.quantized_matmul import QuantizedWeight
 
-        _CONTAINERS.update(PanelledF32=PanelledF32, QuantizedWeight=QuantizedWeight)
+        _CONTAINERS.update(PanelledF32=PanelledF32, QuantizedWeight=QuantizedWeight,
+                           TiedEmbedding=TiedEmbedding)
     return _CONTAINERS
+
+
+def use_default_dir(path: str) -> None:
+    """Where EngineConfig's default weight cache lives in this process (tests: a
+    temporary directory, as for XLA's compilation cache); an explicit one is kept."""
+    global _default_dir
+    _default_dir = path
+
+
+def resolve_dir(configured: str | None) -> str | None:
+    """The directory EngineConfig.weight_cache_dir names (None: off)."""
+    from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+
+    if not configured:
+        return None
+    if configured == DEFAULT_WEIGHT_CACHE and _default_dir:
+        return _default_dir
+    return os.path.expanduser(configured)
 
 
 def cache_key(source: str, options: dict[str, Any]) -> str:
@@ -74,10 +96,9 @@ def _source_files(source: str) -> list[str]:
 
 def _code_digest() -> bytes:
     """The source of the modules whose code decides the prepared bytes."""
-    import jaxinfer
     import pallas_kernels
 
-    top, kernels = Path(jaxinfer.__file__).parent, Path(pallas_kernels.__file__).parent
+    top, kernels = Path(__file__).resolve().parents[1], Path(pallas_kernels.__file__).parent
     files = [*sorted((top / "loading").glob("*.py")), *sorted((top / "models").glob("*.py")),
              top / "quantization.py", top / "config.py",
              *(kernels / f"{m}.py" for m in ("cpu_f32_matmul", "cpu_matmul", "quantized_matmul"))]
@@ -108,51 +129,78 @@ def save(root: str, key: str, loaded: LoadedModel, layout: dict[str, Any]) -> Pa
     return root_path / key
 
 
+def _drop_older(root: Path, key: str, source: str) -> None:
+    """Remove the other entries of ``source`` (an older file, other code: one per source)
+    and all but the MAX_ENTRIES most recently used."""
+    entries = []
+    for entry in root.iterdir():
+        if entry.name.startswith("."):
+            continue
+        try:
+            meta = entry / META
+            if entry.name != key and json.loads(meta.read_text()).get("source") == source:
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entries.append((meta.stat().st_mtime, entry))
+        except (OSError, ValueError):
+            continue
+    for _, entry in sorted(entries, reverse=True)[MAX_ENTRIES:]:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 def _write(d: Path, loaded: LoadedModel, layout: dict[str, Any]) -> None:
-    weights = []
-    for i, (path, var) in enumerate(_variables(loaded.model)):
+    weights, held_by = [], {}          # ids of a value's arrays -> path of the weight holding it
+    # a container holding another weight's value (TiedEmbedding: the LM head) comes after it
+    variables = sorted(_variables(loaded.model), key=lambda pv: _holds_weight(pv[1].get_value()))
+    for i, (path, var) in enumerate(variables):
+        name = ".".join(map(str, path))
         if type(var) is not nnx.Param:
-            raise ValueError(f"{'.'.join(map(str, path))} is a {type(var).__name__}, not a weight")
-        entry = {"path": list(path), "arrays": {}, "static": {}}
+            raise ValueError(f"{name} is a {type(var).__name__}, not a weight")
         value = var.get_value()
+        entry = {"path": list(path), "arrays": {}, "refs": {}, "static": {}}
         if isinstance(value, jax.Array):
             entry["type"], fields = "array", {"": value}
         else:
             entry["type"] = type(value).__name__
             if _containers().get(entry["type"]) is not type(value):
-                raise ValueError(f"{'.'.join(map(str, path))} holds a {entry['type']}")
+                raise ValueError(f"{name} holds a {entry['type']}")
             fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        for name, x in fields.items():
-            if isinstance(x, jax.Array):
-                fn = f"{i:04d}{'.' + name if name else ''}.npy"
+        for field, x in fields.items():
+            if _identity(x) in held_by:
+                entry["refs"][field] = held_by[_identity(x)]
+            elif isinstance(x, jax.Array):
+                fn = f"{i:04d}{'.' + field if field else ''}.npy"
                 np.save(d / fn, np.asarray(x), allow_pickle=False)
-                entry["arrays"][name] = {"file": fn, "dtype": str(x.dtype)}
+                entry["arrays"][field] = {"file": fn, "dtype": str(x.dtype)}
+            elif isinstance(x, (int, float, str, bool)) or x is None:
+                entry["static"][field] = x
             else:
-                entry["static"][name] = x
+                raise ValueError(f"{name}.{field} is a {type(x).__name__}")
+        held_by[_identity(value)] = list(path)
         weights.append(entry)
     tok = loaded.tokenizer
     tok.hf.save_pretrained(str(d / "tokenizer"))
-    meta = {"format_version": FORMAT_VERSION, "source": loaded.source, "layout": layout, "hf_config": loaded.hf_config,
-            "generation_config": loaded.generation_config, "dtype": jax.numpy.dtype(loaded.model.dtype).name,
+    meta = {"format_version": FORMAT_VERSION, "source": loaded.source, "layout": layout,
+            "hf_config": loaded.hf_config, "generation_config": loaded.generation_config,
+            "dtype": jax.numpy.dtype(loaded.model.dtype).name,
             "tokenizer": {"eos_token_ids": list(tok.eos_token_ids), "vocab_size": tok.vocab_size},
             "weights": weights}
     (d / META).write_text(json.dumps(meta))
 
 
+def _identity(value: Any) -> tuple[int, ...] | None:
+    """The arrays a value is made of (nnx hands out a new container object per read)."""
+    leaves = jax.tree.leaves(value)
+    return tuple(map(id, leaves)) if leaves and all(isinstance(x, jax.Array) for x in leaves) else None
+
+
+def _holds_weight(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and any(
+        type(getattr(value, f.name)) in _containers().values() for f in dataclasses.fields(value))
+
+
 def _variables(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
     return [(p, v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
-
-
-def _drop_older(root: Path, key: str, source: str) -> None:
-    """Remove the other entries of ``source`` (an older file, other code): one per source."""
-    for entry in root.iterdir():
-        if entry.name == key or entry.name.startswith("."):
-            continue
-        try:
-            if json.loads((entry / META).read_text()).get("source") == source:
-                shutil.rmtree(entry, ignore_errors=True)
-        except (OSError, ValueError):
-            continue
 
 
 def _private_dir(path: Path) -> None:
@@ -175,7 +223,10 @@ def load(root: str, key: str, layout: Callable[[], dict[str, Any]]) -> LoadedMod
         return None
     try:
         _private_dir(d.parent)
-        return _read(d, layout)
+        loaded = _read(d, layout)
+        if loaded is not None:
+            os.utime(d / META)           # most recently used (MAX_ENTRIES)
+        return loaded
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("weight cache: %s unreadable, loading from the source (%s)", d, e)
         return None
@@ -184,7 +235,7 @@ def load(root: str, key: str, layout: Callable[[], dict[str, Any]]) -> LoadedMod
 def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
     from jaxinfer.config import ModelConfig
     from jaxinfer.loading import resolve_dtype
-    from jaxinfer.models.registry import model_class
+    from jaxinfer.models.base import abstract_model
 
     meta = json.loads((d / META).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
@@ -195,18 +246,18 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
         return None
     cfg = ModelConfig.from_hf(meta["hf_config"])
     dtype = resolve_dtype(meta["dtype"])
-    model = nnx.eval_shape(lambda: model_class(cfg.architecture)(cfg, dtype, rngs=nnx.Rngs(0)))
-    placed = set()
+    model = abstract_model(cfg, dtype)
+    built: dict[tuple, Any] = {}
     for w in meta["weights"]:
         *owner_path, attr = w["path"]
         owner = model
         for part in owner_path:
             owner = owner[part] if isinstance(part, int) else getattr(owner, part)
-        setattr(owner, attr, nnx.Param(_value(d, w)))
-        placed.add(tuple(w["path"]))
+        built[tuple(w["path"])] = value = _value(d, w, built)
+        setattr(owner, attr, nnx.Param(value))
     # weights the preparation replaced (fused q/k/v parts) are still abstract: drop them
     for path, var in _variables(model):
-        if path not in placed:
+        if path not in built:
             *owner_path, attr = path
             owner = model
             for part in owner_path:
@@ -217,14 +268,13 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
     return LoadedModel(cfg, model, tokenizer, meta["generation_config"], meta["source"], meta["hf_config"])
 
 
-def _value(d: Path, w: dict[str, Any]) -> Any:
-    arrays = {}
+def _value(d: Path, w: dict[str, Any], built: dict[tuple, Any]) -> Any:
+    fields = {name: built[tuple(path)] for name, path in w.get("refs", {}).items()}
     for name, a in w["arrays"].items():
         host = np.load(d / a["file"], mmap_mode="r", allow_pickle=False)
         if str(host.dtype) != a["dtype"]:          # bfloat16 is saved as raw 2-byte records
             host = host.view(jax.numpy.dtype(a["dtype"]))
-        arrays[name] = jax.device_put(host)        # CPU: the mapped pages, not a copy
+        fields[name] = jax.device_put(host)        # CPU: the mapped pages, not a copy
     if w["type"] == "array":
-        return arrays[""]
-    cls = _containers()[w["type"]]
-    return cls(**arrays, **w["static"])
+        return fields[""]
+    return _containers()[w["type"]](**fields, **w["static"])

@@ -43,7 +43,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
     release_host_memory()
     if key:
-        weight_cache.save(cache_dir, key, loaded, kernel_layout(quantization, dtype))
+        weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype))
     loaded.load_seconds = time.perf_counter() - t0
     return loaded
 

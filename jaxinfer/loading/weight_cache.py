@@ -106,16 +106,18 @@ def _code_digest() -> bytes:
 
 
 # ------------------------------------------------------------------------------ save
-def save(root: str, key: str, loaded: LoadedModel, layout: dict[str, Any]) -> Path | None:
-    """Write ``loaded`` under ``root/key``; None (with the reason logged) if it cannot be
-    cached: a model holding other state than weights, or a write that fails. ``layout``:
-    what ``load`` must find again (which kernels laid the weights out)."""
+def save(root: str, key: str, loaded: LoadedModel, options: dict[str, Any],
+         layout: dict[str, Any]) -> Path | None:
+    """Write ``loaded`` (prepared with ``options``) under ``root/key``; None (with the
+    reason logged) if it cannot be cached: a model holding other state than weights, or a
+    write that fails. ``layout``: what ``load`` must find again (which kernels laid the
+    weights out). Older entries of the same source and options are removed."""
     root_path = Path(os.path.expanduser(root))
     try:
         _private_dir(root_path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root_path))
         try:
-            _write(tmp, loaded, layout)
+            _write(tmp, loaded, {"options": options, "layout": layout})
             os.replace(tmp, root_path / key)
         except OSError:
             if not (root_path / key / META).exists():
@@ -125,12 +127,12 @@ def save(root: str, key: str, loaded: LoadedModel, layout: dict[str, Any]) -> Pa
     except (OSError, ValueError) as e:
         log.warning("weight cache: not saved (%s)", e)
         return None
-    _drop_older(root_path, key, loaded.source)
+    _drop_older(root_path, key, [loaded.source, options])
     return root_path / key
 
 
-def _drop_older(root: Path, key: str, source: str) -> None:
-    """Remove the other entries of ``source`` (an older file, other code: one per source)
+def _drop_older(root: Path, key: str, what: list) -> None:
+    """Remove the other entries of ``what`` ([source, options]: an older file, other code)
     and all but the MAX_ENTRIES most recently used."""
     entries = []
     for entry in root.iterdir():
@@ -138,7 +140,8 @@ def _drop_older(root: Path, key: str, source: str) -> None:
             continue
         try:
             meta = entry / META
-            if entry.name != key and json.loads(meta.read_text()).get("source") == source:
+            m = json.loads(meta.read_text())
+            if entry.name != key and [m.get("source"), m.get("options")] == what:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entries.append((meta.stat().st_mtime, entry))
@@ -148,10 +151,9 @@ def _drop_older(root: Path, key: str, source: str) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
-def _write(d: Path, loaded: LoadedModel, layout: dict[str, Any]) -> None:
+def _write(d: Path, loaded: LoadedModel, extra: dict[str, Any]) -> None:
     weights, held_by = [], {}          # ids of a value's arrays -> path of the weight holding it
-    # a container holding another weight's value (TiedEmbedding: the LM head) comes after it
-    variables = sorted(_variables(loaded.model), key=lambda pv: _holds_weight(pv[1].get_value()))
+    variables = sorted(_variables(loaded.model), key=lambda pv: _depth(pv[1].get_value()))
     for i, (path, var) in enumerate(variables):
         name = ".".join(map(str, path))
         if type(var) is not nnx.Param:
@@ -176,11 +178,11 @@ def _write(d: Path, loaded: LoadedModel, layout: dict[str, Any]) -> None:
                 entry["static"][field] = x
             else:
                 raise ValueError(f"{name}.{field} is a {type(x).__name__}")
-        held_by[_identity(value)] = list(path)
+        held_by.setdefault(_identity(value), list(path))
         weights.append(entry)
     tok = loaded.tokenizer
     tok.hf.save_pretrained(str(d / "tokenizer"))
-    meta = {"format_version": FORMAT_VERSION, "source": loaded.source, "layout": layout,
+    meta = {"format_version": FORMAT_VERSION, "source": loaded.source, **extra,
             "hf_config": loaded.hf_config, "generation_config": loaded.generation_config,
             "dtype": jax.numpy.dtype(loaded.model.dtype).name,
             "tokenizer": {"eos_token_ids": list(tok.eos_token_ids), "vocab_size": tok.vocab_size},
@@ -194,9 +196,13 @@ def _identity(value: Any) -> tuple[int, ...] | None:
     return tuple(map(id, leaves)) if leaves and all(isinstance(x, jax.Array) for x in leaves) else None
 
 
-def _holds_weight(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and any(
-        type(getattr(value, f.name)) in _containers().values() for f in dataclasses.fields(value))
+def _depth(value: Any) -> int:
+    """0 an array, 1 a container of arrays, 2 a container holding a container: written in
+    this order, a value that shares another weight's arrays (TiedEmbedding: the LM head)
+    comes after that weight and refers to it."""
+    if isinstance(value, jax.Array):
+        return 0
+    return 1 + any(dataclasses.is_dataclass(getattr(value, f.name)) for f in dataclasses.fields(value))
 
 
 def _variables(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:

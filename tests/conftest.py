@@ -36,3 +36,7 @@ def pytest_configure(config):
     from jaxinfer.loading.weight_cache import use_default_dir
 
     use_default_dir(os.path.join(path, "weights"))
+    # Engine()'s default warm-up is "background"; tests that want it say so (test_warmup)
+    from jaxinfer.engine.warmup import use_default_mode
+
+    use_default_mode("full")

@@ -59,13 +59,18 @@ def test_default_cache_defers_to_the_process_choice(monkeypatch):
     assert calls == []
 
 
-def test_kv_pool_sized_from_what_the_configuration_can_use():
-    from jaxinfer.engine.resources import kv_budget
+def test_kv_pool_sized_from_what_the_configuration_can_use(monkeypatch):
+    from jaxinfer.engine import kv_cache, resources
 
-    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
-    assert kv_budget(EngineConfig(), 100 << 20) == 100 << 20          # less than the cap: all of it
-    assert kv_budget(EngineConfig(), 64 * cap) <= cap                 # more: capped
-    assert kv_budget(EngineConfig(kv_cache_memory=3 << 30), 1 << 20) == 3 << 30   # the override wins
+    monkeypatch.setattr(resources, "available_ram", lambda: 16 << 30)
+    monkeypatch.setattr(resources, "total_ram", lambda: 32 << 30)
+    for lazy, cap in ((False, EngineConfig.DEFAULT_KV_CACHE_MEMORY), (True, 16 << 30)):
+        # an untouched pool (resident as pages are used) is capped only by half the RAM,
+        # all of it: free RAM moves between starts, and the pool's size fixes step shapes
+        monkeypatch.setattr(kv_cache, "lazily_resident", lambda: lazy)
+        assert resources.kv_budget(EngineConfig(), 100 << 20) == 100 << 20     # less than the cap: all of it
+        assert resources.kv_budget(EngineConfig(), 64 << 30) == cap            # more: capped
+        assert resources.kv_budget(EngineConfig(kv_cache_memory=3 << 30), 1 << 20) == 3 << 30   # the override wins
 
 
 def test_kv_cache_memory_flag_takes_sizes_with_units():

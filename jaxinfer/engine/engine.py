@@ -152,10 +152,11 @@ class Engine:
         background thread while the engine serves, or when a step first needs them
         (``EngineConfig.warmup``; engine/warmup.py). Returns the seconds spent compiling
         before the engine can serve."""
-        from jaxinfer.engine.warmup import BucketCompiler
+        from jaxinfer.engine.warmup import BucketCompiler, default_mode
 
         self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
-        mode = self.config.warmup if R.num_processes() == 1 else "full"   # followers replay any bucket
+        # followers replay any bucket
+        mode = (self.config.warmup or default_mode()) if R.num_processes() == 1 else "full"
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=self.compiler.first_total if mode == "lazy" else self.compiler.total,

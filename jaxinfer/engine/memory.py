@@ -30,6 +30,12 @@ def available_ram() -> int | None:
         return None
 
 
+def total_ram() -> int:
+    """Bytes of physical RAM of this machine (fixed: unlike available_ram, it does not move
+    with what other processes hold)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def release_host_memory() -> None:
     """Collect garbage and return the C heap's free memory to the system (glibc only)."""
     gc.collect()

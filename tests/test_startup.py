@@ -87,3 +87,15 @@ def test_kv_cache_memory_flag_takes_sizes_with_units():
             assert repr(bad) in str(e)
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_engine_in_python_serves_after_the_first_buckets_by_default():
+    """Engine() with no warm-up named compiles the rest in the background (this test
+    process chose "full" in conftest, so a fresh interpreter says what users get)."""
+    code = ("from jaxinfer.config import EngineConfig\n"
+            "from jaxinfer.engine.warmup import default_mode\n"
+            "print(EngineConfig().warmup, default_mode())\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "background"]

@@ -92,10 +92,11 @@ def _matmul_params(model: nnx.Module, names: Any) -> list[nnx.Variable]:
 FUSED = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
 
 
-def fuse_projections(model: nnx.Module) -> nnx.Module:
+def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
     """In place: each layer's q/k/v and gate/up weights become one weight each (``wqkv``,
     ``w_gate_up``; the model splits the product) where all parts are in the CPU kernel's
-    panel layout. Why: a decode step is ~7 small kernel calls per layer, each paying a
+    panel layout; ``layout`` (float32 parts): applied to the fused weight in the same
+    compiled function (one copy made, not two). Why: a decode step is ~7 small kernel calls per layer, each paying a
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
@@ -111,13 +112,19 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
                 scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
                 value = QuantizedWeight(q, scales, 8, 0, ws[0].panel)
             elif all(_f32_kernel_weight(w) for w in ws):
-                value = jnp.concatenate(ws, axis=1)                         # [K, N_q + N_k + N_v]
+                value = _concatenate(tuple(ws), layout)                     # [K, N_q + N_k + N_v]
             else:
                 continue
             setattr(layer, fused, nnx.Param(value))
             for p in parts:
                 delattr(layer, p)
     return model
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _concatenate(ws: tuple[jax.Array, ...], layout: Any) -> Any:
+    fused = jnp.concatenate(ws, axis=1)
+    return fused if layout is None else layout(fused)
 
 
 def _f32_kernel_weight(w) -> bool:
@@ -145,13 +152,21 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
     w = model.layers[0].wq[...]
     if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
         return model
-    model = fuse_projections(model if in_place else _shallow_copy(model))
-    names = (*MATMUL_WEIGHTS, *(fused for fused, _ in FUSED))
-    for param in _matmul_params(model, names):
+    model = fuse_projections(model if in_place else _shallow_copy(model), panel)
+    for param in _matmul_params(model, MATMUL_WEIGHTS):
         value = param.get_value()
         if isinstance(value, jax.Array) and value.dtype == jnp.float32:
-            param.set_value(panel(value))
+            param.set_value(_panel(value))
     return tie_embedding(model)
+
+
+@jax.jit
+def _panel(w: jax.Array) -> Any:
+    """cpu_f32_matmul.panel compiled: its transposed copy is the only one made (eagerly,
+    the 113 MB LM head passed through a second)."""
+    from pallas_kernels.cpu_f32_matmul import panel
+
+    return panel(w)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["head"], meta_fields=[])

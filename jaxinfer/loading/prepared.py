@@ -25,7 +25,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels;
     through the weight cache ``cache_dir`` (EngineConfig.weight_cache_dir) unless it is
     None / ""."""
-    from jaxinfer.engine.memory import release_host_memory
+    from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
     from jaxinfer.quantization import prepare_for_engine
 
     t0 = time.perf_counter()
@@ -39,8 +39,9 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
             hit.load_seconds = time.perf_counter() - t0
             log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
             return hit
-    loaded = load_model(model, dtype)
-    loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
+    with large_blocks_mapped():
+        loaded = load_model(model, dtype)
+        loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
     release_host_memory()
     if key:
         weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype))

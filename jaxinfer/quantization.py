@@ -1,11 +1,11 @@
 """Weight-only quantization at load time: ``--quantization int8 | int4``.
 
 Every matmul weight of the model (q/k/v/o, gate/up/down, the LM head) becomes a
-``QuantizedWeight`` (pallas_kernels/quantized_matmul.py): int8 with one scale per output
+``QuantizedWeight`` (pallas_kernels/quantized_matmul/): int8 with one scale per output
 channel, or int4 packed two per byte with one scale per group of rows along K. The
 embedding table stays in the model dtype (it is gathered, not multiplied). The model's
 ``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU int8 goes
-to the C++ kernel (pallas_kernels/cpu_matmul.py; weights packed in its panels
+to the C++ kernel (pallas_kernels/quantized_matmul/cpu.py; weights packed in its panels
 here) and int4 to XLA (dequantize, then the dot; see jaxinfer/matmul.py).
 
 Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout
@@ -56,6 +56,9 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) 
     bits = check_mode(mode)
     if bits is None:
         return model
+    if not getattr(type(model), "quantization", True):
+        raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
+                         "(mixture-of-experts weights are not quantized yet); run it unquantized")
     from jaxinfer.matmul import pack_for_backend
 
     group = int4_group(model.cfg) if bits == 4 else 0
@@ -67,9 +70,9 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _quantize(w: jax.Array, bits: int, group: int) -> Any:
-    """pallas_kernels.quantized_matmul.quantize as one compiled function: its eager ops
+    """pallas_kernels.quantized_matmul.xla.quantize as one compiled function: its eager ops
     would each hold a full-size float temporary (three at once for the 113 MB LM head)."""
-    from pallas_kernels.quantized_matmul import quantize
+    from pallas_kernels.quantized_matmul.xla import quantize
 
     return quantize(w, bits, group)
 
@@ -100,7 +103,7 @@ def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
-    from pallas_kernels.quantized_matmul import QuantizedWeight
+    from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
     for layer in model.layers:
         for fused, parts in FUSED:
@@ -134,7 +137,7 @@ def _f32_kernel_weight(w) -> bool:
 
 
 def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Module:
-    """The module laid out for the CPU f32 kernel (pallas_kernels/cpu_f32_matmul.py): a new
+    """The module laid out for the CPU f32 kernel (pallas_kernels/f32_matmul/cpu.py): a new
     one (the given one untouched) or, ``in_place``, the given one, each weight replaced as
     it is converted (no second copy of the model at any time); the module itself where the
     kernel does not apply.
@@ -147,7 +150,7 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
 
     Single-device models only (a fused or panelled weight would shard differently)."""
     from jaxinfer.matmul import f32_kernel_applies
-    from pallas_kernels.cpu_f32_matmul import panel
+    from pallas_kernels.f32_matmul.cpu import panel
 
     w = model.layers[0].wq[...]
     if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
@@ -162,9 +165,9 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
 
 @jax.jit
 def _panel(w: jax.Array) -> Any:
-    """cpu_f32_matmul.panel compiled: its transposed copy is the only one made (eagerly,
+    """f32_matmul.cpu.panel compiled: its transposed copy is the only one made (eagerly,
     the 113 MB LM head passed through a second)."""
-    from pallas_kernels.cpu_f32_matmul import panel
+    from pallas_kernels.f32_matmul.cpu import panel
 
     return panel(w)
 
@@ -240,14 +243,14 @@ def is_quantized(model: nnx.Module) -> bool:
 def cpu_compiler_options(model: nnx.Module) -> dict | None:
     """Compile options a jitted step over ``model`` needs on this backend: XLA:CPU's
     quantized path (int4; int8 without the C++ kernel) needs the memory-optimized
-    scheduler (pallas_kernels/quantized_matmul.py); float and kernel-served int8 models
+    scheduler (pallas_kernels/quantized_matmul/); float and kernel-served int8 models
     keep XLA's default scheduling."""
     import jax
 
     if not is_quantized(model) or jax.default_backend() != "cpu":
         return None
-    from pallas_kernels import cpu_matmul
-    from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS, QuantizedWeight
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+    from pallas_kernels.quantized_matmul.xla import XLA_CPU_COMPILER_OPTIONS, QuantizedWeight
 
     ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
           if isinstance(x, QuantizedWeight)]

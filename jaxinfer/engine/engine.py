@@ -77,6 +77,11 @@ class Engine:
         self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
+        from jaxinfer.models.base import fit_context
+
+        # the rotary set-up for max_model_len (weights untouched: after preparation)
+        models = [fit_context(m, self.max_model_len) for m in models]
+        self.loaded = dataclasses.replace(self.loaded, model=models[0])
         # models[0].cfg: KV heads repeated where tensor parallelism needs it
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
                                        self.max_model_len)

@@ -142,7 +142,7 @@ def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = Fal
     requests have used and can be sized for what the configuration can use."""
     shape = (spec.num_pages, *spec.page_shape)
     if untouched and mesh is None and lazily_resident():
-        from pallas_kernels.cpu_alloc import uninitialized as new
+        from pallas_kernels.alloc.cpu import uninitialized as new
     else:
         new = jnp.zeros
 
@@ -161,12 +161,12 @@ def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = Fal
 
 def lazily_resident() -> bool:
     """Whether ``allocate_kv_cache`` (without a mesh) leaves its pages untouched: the CPU
-    backend with pallas_kernels/cpu_alloc.py built."""
+    backend with pallas_kernels/alloc/cpu.py built."""
     if jax.default_backend() != "cpu":
         return False
-    from pallas_kernels import cpu_alloc
+    from pallas_kernels.alloc import cpu as alloc
 
-    return cpu_alloc.available()
+    return alloc.available()
 
 
 def kv_cache_shapes(spec: KVCacheSpec) -> KVCache:

@@ -13,9 +13,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.lazy import LazyTensors
-from jaxinfer.models.base import params_from_flat, weight_specs
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.models.registry import model_class
+from jaxinfer.models.registry import config_from_hf, model_class, params_from_flat, weight_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -43,25 +42,38 @@ def hf_tensors_to_flat(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> L
     """HF-named tensors ([out, in] layout) -> our paths and layout. Names are checked now;
     each tensor is read, cut (``hf_take``), shape-checked and transposed when the model
     is built from it (loading/lazy.py: one host tensor at a time)."""
-    source: dict[str, str] = {}
     specs = weight_specs(cfg)
+    names: dict[str, list[str]] = {}
     for path, spec in specs.items():
-        name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
-        if name not in tensors:
-            raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
-        source[path] = name
+        if spec.hf_experts:      # one tensor per expert, stacked
+            names[path] = [spec.hf_name.format(e=e) for e in range(spec.hf_experts)]
+        else:
+            names[path] = [spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors
+                           else spec.hf_alt]
+        for name in names[path]:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
 
     def read(path: str) -> np.ndarray:
-        spec, name = specs[path], source[path]
-        t = tensors[name]
-        if spec.hf_take is not None:
-            t = spec.hf_take(t)
-        want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
-        if tuple(t.shape) != want:
-            raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")
-        return t.T if spec.transpose else t
+        spec = specs[path]
+        if spec.hf_experts:
+            return np.stack([_hf_tensor(spec, tensors, n, spec.shape[1:]) for n in names[path]])
+        return _hf_tensor(spec, tensors, names[path][0], spec.shape)
 
-    return LazyTensors(list(source), read)
+    return LazyTensors(list(specs), read)
+
+
+def _hf_tensor(spec: Any, tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor ``name`` in our layout of ``shape`` (spec: its WeightSpec)."""
+    if name not in tensors:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    t = tensors[name]
+    if spec.hf_take is not None:
+        t = spec.hf_take(t)
+    want = (*shape[:-2], shape[-1], shape[-2]) if spec.transpose else shape
+    if tuple(t.shape) != want:
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+    return np.swapaxes(t, -1, -2) if spec.transpose else t
 
 
 def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None
@@ -83,7 +95,7 @@ def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = 
 
 def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None
            ) -> tuple[ModelConfig, Any]:
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them
     return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh)
 
@@ -93,7 +105,7 @@ def load_hf_dir(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.tokenizer import Tokenizer
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
-    ModelConfig.from_hf(hf_config)   # validate before reading weights
+    config_from_hf(hf_config)   # validate before reading weights
     cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
@@ -124,10 +136,10 @@ def read_config(model: str | None = None) -> ModelConfig:
 
     path = model_path(model)
     if os.path.isdir(path):
-        return ModelConfig.from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
+        return config_from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
     if path.endswith(".gguf"):
         from jaxinfer.loading.gguf import read_gguf_config
-        return ModelConfig.from_hf(read_gguf_config(path))
+        return config_from_hf(read_gguf_config(path))
     raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
 
 

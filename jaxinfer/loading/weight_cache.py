@@ -49,8 +49,8 @@ _CONTAINERS: dict[str, type] = {}
 def _containers() -> dict[str, type]:
     if not _CONTAINERS:
         from jaxinfer.quantization import TiedEmbedding
-        from pallas_kernels.cpu_f32_matmul import PanelledF32
-        from pallas_kernels.quantized_matmul import QuantizedWeight
+        from pallas_kernels.f32_matmul.cpu import PanelledF32
+        from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
         _CONTAINERS.update(PanelledF32=PanelledF32, QuantizedWeight=QuantizedWeight,
                            TiedEmbedding=TiedEmbedding)
@@ -101,7 +101,7 @@ def _code_digest() -> bytes:
     top, kernels = Path(__file__).resolve().parents[1], Path(pallas_kernels.__file__).parent
     files = [*sorted((top / "loading").glob("*.py")), *sorted((top / "models").glob("*.py")),
              top / "quantization.py", top / "config.py",
-             *(kernels / f"{m}.py" for m in ("cpu_f32_matmul", "cpu_matmul", "quantized_matmul"))]
+             *(kernels / m for m in ("f32_matmul/cpu.py", "quantized_matmul/cpu.py", "quantized_matmul/xla.py"))]
     return hashlib.sha256(b"\0".join(f.read_bytes() for f in files)).digest()
 
 
@@ -242,6 +242,7 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
     from jaxinfer.config import ModelConfig
     from jaxinfer.loading import resolve_dtype
     from jaxinfer.models.base import abstract_model
+    from jaxinfer.models.registry import model_class
 
     meta = json.loads((d / META).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
@@ -252,7 +253,7 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
         return None
     cfg = ModelConfig.from_hf(meta["hf_config"])
     dtype = resolve_dtype(meta["dtype"])
-    model = abstract_model(cfg, dtype)
+    model = abstract_model(model_class(cfg.architecture), cfg, dtype)
     built: dict[tuple, Any] = {}
     for w in meta["weights"]:
         *owner_path, attr = w["path"]

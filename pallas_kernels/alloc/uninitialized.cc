@@ -1,4 +1,4 @@
-// An output buffer that nothing writes, for XLA:CPU through jax.ffi (pallas_kernels/cpu_alloc.py).
+// An output buffer that nothing writes, for XLA:CPU through jax.ffi (pallas_kernels/alloc/cpu.py).
 //
 // Why it exists: the KV pool must be allocated at full size up front (its shape is static
 // in every compiled step), but a pool filled with jnp.zeros is resident from the first

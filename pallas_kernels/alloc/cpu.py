@@ -1,4 +1,4 @@
-"""Arrays allocated without being written, on XLA:CPU (a C++ no-op, cpu/uninitialized.cc).
+"""Arrays allocated without being written, on XLA:CPU (a C++ no-op, uninitialized.cc).
 
 ``uninitialized(shape, dtype)`` is a fresh array of unspecified content whose memory pages
 become resident only when something writes them: what the paged KV pool needs to cost only
@@ -16,16 +16,13 @@ import jax
 from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_uninitialized"
-_KERNEL = cpu_build.Kernel("uninitialized.cc", {TARGET: "JaxinferUninitialized"}, "uninitialized buffer")
+_KERNEL = cpu_build.Kernel("alloc/uninitialized.cc", {TARGET: "JaxinferUninitialized"}, "uninitialized buffer")
+unavailable_reason, build = _KERNEL.unavailable_reason, _KERNEL.build
 
 
 def available() -> bool:
     """True on the CPU backend once the no-op is built and registered with XLA:CPU."""
     return jax.default_backend() == "cpu" and _KERNEL.available()
-
-
-def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -239,10 +239,9 @@ def load(root: str, key: str, layout: Callable[[], dict[str, Any]]) -> LoadedMod
 
 
 def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
-    from jaxinfer.config import ModelConfig
     from jaxinfer.loading import resolve_dtype
     from jaxinfer.models.base import abstract_model
-    from jaxinfer.models.registry import model_class
+    from jaxinfer.models.registry import config_from_hf, model_class
 
     meta = json.loads((d / META).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
@@ -251,7 +250,7 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
     if meta.get("layout") != here:
         log.info("weight cache: %s was laid out for kernels %s, here %s", d, meta.get("layout"), here)
         return None
-    cfg = ModelConfig.from_hf(meta["hf_config"])
+    cfg = config_from_hf(meta["hf_config"])
     dtype = resolve_dtype(meta["dtype"])
     model = abstract_model(model_class(cfg.architecture), cfg, dtype)
     built: dict[tuple, Any] = {}

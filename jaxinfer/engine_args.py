@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
-DEFAULT_WEIGHT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "weights")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no speculation while more sequences than this run")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
+    # (the config's own "~/..." default: a process that chose another default keeps it)
     p.add_argument("--weight-cache", default=DEFAULT_WEIGHT_CACHE,
                    help="dir of the prepared weights a later start maps instead of converting "
                         "the checkpoint again ('' to disable)")

@@ -105,7 +105,7 @@ def decode_steps(batches: list[int], tokens: int) -> list[tuple[str, float, floa
 
     loaded = load_model(None, "float32")
     kw = dict(max_num_seqs=max(batches), max_num_batched_tokens=256, max_model_len=256,
-              num_pages=max(batches) * 16 + 8, decode_buckets=tuple(sorted(set(batches))),
+              num_pages=max(batches) * 16 + 8, warmup="full", decode_buckets=tuple(sorted(set(batches))),
               mixed_decode_buckets=(0, max(batches)), prefill_buckets=((1, 32),), page_buckets=(16,))
     with old_functions():
         old = Engine(loaded=loaded, progress=False, **kw)

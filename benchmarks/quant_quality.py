@@ -39,7 +39,7 @@ def greedy(loaded, quantization, ps, tokens, kv_cache_dtype=None) -> tuple[list[
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
 
-    eng = Engine(loaded=loaded, progress=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+    eng = Engine(loaded=loaded, progress=False, warmup="full", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                  **ENGINE_KW)
     t0 = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))

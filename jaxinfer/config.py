@@ -470,6 +470,7 @@ class RequestOutput:
 
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxinfer/xla"
+DEFAULT_WEIGHT_CACHE = "~/.cache/jaxinfer/weights"
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +507,10 @@ class EngineConfig:
     # instead of compiling them. None or "" turns it off; the default defers to a cache
     # the process already configured (jax.config.jax_compilation_cache_dir).
     compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE
+    # The model as a single-device engine runs it (fused, panelled or quantized weights),
+    # saved by a first start and memory-mapped by later ones (loading/weight_cache.py).
+    # None or "" turns it off.
+    weight_cache_dir: str | None = DEFAULT_WEIGHT_CACHE
     seed: int = 0                            # base of per-request seeds when none is given
     # Every weight matmul in the 2..32-row kernel regime (models/layers.py): a request's
     # tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.
@@ -541,10 +546,11 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 2
     # When the step shapes (buckets) compile (engine/warmup.py): "full" all of them before
     # the engine returns; "background" those a first request needs, the rest in a thread
-    # while it serves (`jaxinfer serve`); "lazy" those a first request needs, any other when
-    # a step first needs it (one-shot runs: `jaxinfer generate`). Once warm (all compiled,
-    # never for "lazy") no step compiles.
-    warmup: str = "full"
+    # while it serves (`jaxinfer serve`, and `Engine()`: None means it unless the process
+    # chose another default, warmup.use_default_mode); "lazy" those a first request needs,
+    # any other when a step first needs it (one-shot runs: `jaxinfer generate`). Once warm
+    # (all compiled, never for "lazy") no step compiles.
+    warmup: str | None = None
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape
@@ -565,8 +571,8 @@ class EngineConfig:
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")
-        _require(self.warmup in ("full", "background", "lazy"), "warmup",
-                 f"must be 'full', 'background' or 'lazy', got {self.warmup!r}")
+        _require(self.warmup in (None, "full", "background", "lazy"), "warmup",
+                 f"must be 'full', 'background', 'lazy' or None, got {self.warmup!r}")
         _check_speculative(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")

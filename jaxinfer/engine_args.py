@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
 
 
@@ -46,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no speculation while more sequences than this run")
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
+    # (the config's own "~/..." default: a process that chose another default keeps it)
+    p.add_argument("--weight-cache", default=DEFAULT_WEIGHT_CACHE,
+                   help="dir of the prepared weights a later start maps instead of converting "
+                        "the checkpoint again ('' to disable)")
     p.add_argument("--warmup", choices=["full", "background", "lazy"], default=None,
                    help="when step shapes compile: all before starting (full), those a first "
                         "request needs then the rest in the background (serve's default), or "
@@ -124,7 +130,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
         host_kv_cache_memory=args.host_kv_cache_memory,
         num_scheduler_steps=args.num_scheduler_steps, warmup=getattr(args, "warmup", None) or default_warmup,
-        compilation_cache_dir=args.compilation_cache or None,
+        compilation_cache_dir=args.compilation_cache or None, weight_cache_dir=args.weight_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,

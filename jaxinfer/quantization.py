@@ -17,6 +17,8 @@ this layout.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -47,8 +49,10 @@ def check_mode(mode: str | None) -> int | None:
     return MODES[mode]
 
 
-def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
-    """A new module whose matmul weights are quantized (the given one is left as it is)."""
+def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) -> nnx.Module:
+    """A module whose matmul weights are quantized: a new one sharing the given one's other
+    weights, or (``in_place``) the given one, each float weight freed as soon as its
+    quantized form exists (a load then never holds two copies of the weights)."""
     bits = check_mode(mode)
     if bits is None:
         return model
@@ -56,27 +60,46 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
         raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
                          "(mixture-of-experts weights are not quantized yet); run it unquantized")
     from jaxinfer.matmul import pack_for_backend
-    from pallas_kernels.quantized_matmul.xla import quantize
 
     group = int4_group(model.cfg) if bits == 4 else 0
+    model = model if in_place else _shallow_copy(model)
+    for param in _matmul_params(model, MATMUL_WEIGHTS):
+        param.set_value(pack_for_backend(_quantize(param.get_value(), bits, group or 128)))
+    return fuse_projections(model)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(w: jax.Array, bits: int, group: int) -> Any:
+    """pallas_kernels.quantized_matmul.xla.quantize as one compiled function: its eager ops
+    would each hold a full-size float temporary (three at once for the 113 MB LM head)."""
+    from pallas_kernels.quantized_matmul.xla import quantize
+
+    return quantize(w, bits, group)
+
+
+def _shallow_copy(model: nnx.Module) -> nnx.Module:
+    """A new module (new Variables) holding the same arrays: changing its weights leaves
+    ``model`` as it was."""
     graphdef, state = nnx.split(model)
-    flat = []
-    for path, var in nnx.to_flat_state(state):
-        if path[-1] in MATMUL_WEIGHTS:
-            w = quantize(var.get_value(), bits, group or 128)
-            var = var.replace(value=pack_for_backend(w))
-        flat.append((path, var))
-    return fuse_projections(nnx.merge(graphdef, nnx.from_flat_state(flat)))
+    flat = [(path, var.replace(value=var.get_value())) for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _matmul_params(model: nnx.Module, names: Any) -> list[nnx.Variable]:
+    """The model's own Variables (not copies: setting one changes the model) whose
+    attribute name is in ``names``, wherever they sit in the module tree."""
+    return [v for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable) and path[-1] in names]
 
 
 # Matmuls that read the same input, fused into one weight: (fused name, parts in order).
 FUSED = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
 
 
-def fuse_projections(model: nnx.Module) -> nnx.Module:
+def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
     """In place: each layer's q/k/v and gate/up weights become one weight each (``wqkv``,
     ``w_gate_up``; the model splits the product) where all parts are in the CPU kernel's
-    panel layout. Why: a decode step is ~7 small kernel calls per layer, each paying a
+    panel layout; ``layout`` (float32 parts): applied to the fused weight in the same
+    compiled function (one copy made, not two). Why: a decode step is ~7 small kernel calls per layer, each paying a
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
@@ -92,7 +115,7 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
                 scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
                 value = QuantizedWeight(q, scales, 8, 0, ws[0].panel)
             elif all(_f32_kernel_weight(w) for w in ws):
-                value = jnp.concatenate(ws, axis=1)                         # [K, N_q + N_k + N_v]
+                value = _concatenate(tuple(ws), layout)                     # [K, N_q + N_k + N_v]
             else:
                 continue
             setattr(layer, fused, nnx.Param(value))
@@ -101,15 +124,23 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
     return model
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _concatenate(ws: tuple[jax.Array, ...], layout: Any) -> Any:
+    fused = jnp.concatenate(ws, axis=1)
+    return fused if layout is None else layout(fused)
+
+
 def _f32_kernel_weight(w) -> bool:
     from jaxinfer.matmul import f32_kernel_applies
 
     return not hasattr(w, "scales") and f32_kernel_applies(w)
 
 
-def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
-    """A new module (the given one untouched) laid out for the CPU f32 kernel
-    (pallas_kernels/f32_matmul/cpu.py); the module itself where the kernel does not apply.
+def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Module:
+    """The module laid out for the CPU f32 kernel (pallas_kernels/f32_matmul/cpu.py): a new
+    one (the given one untouched) or, ``in_place``, the given one, each weight replaced as
+    it is converted (no second copy of the model at any time); the module itself where the
+    kernel does not apply.
 
     * q/k/v and gate/up weights are fused into one weight each: every output column is its
       own k-ordered FMA chain, so the fused product is bitwise the separate ones, and a
@@ -124,17 +155,84 @@ def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
     w = model.layers[0].wq[...]
     if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
         return model
-    graphdef, state = nnx.split(model)
-    model = fuse_projections(nnx.merge(graphdef, state))
-    names = set(MATMUL_WEIGHTS) | {fused for fused, _ in FUSED}
-    graphdef, state = nnx.split(model)
-    flat = []
-    for path, var in nnx.to_flat_state(state):
-        value = var.get_value()
-        if path[-1] in names and isinstance(value, jax.Array) and value.dtype == jnp.float32:
-            var = var.replace(value=panel(value))
-        flat.append((path, var))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = fuse_projections(model if in_place else _shallow_copy(model), panel)
+    for param in _matmul_params(model, MATMUL_WEIGHTS):
+        value = param.get_value()
+        if isinstance(value, jax.Array) and value.dtype == jnp.float32:
+            param.set_value(_panel(value))
+    return tie_embedding(model)
+
+
+@jax.jit
+def _panel(w: jax.Array) -> Any:
+    """f32_matmul.cpu.panel compiled: its transposed copy is the only one made (eagerly,
+    the 113 MB LM head passed through a second)."""
+    from pallas_kernels.f32_matmul.cpu import panel
+
+    return panel(w)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["head"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TiedEmbedding:
+    """A tied model's embedding table read from its LM head (``head``: the [D, V] weight
+    or its PanelledF32), which holds the same numbers transposed: one copy instead of two
+    (113 MB for SmolLM2 in float32). Rows come out bitwise equal to the table's."""
+
+    head: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        d, v = self.head.shape
+        return (v, d)
+
+    @property
+    def dtype(self) -> Any:
+        return self.head.dtype
+
+    def __getitem__(self, key: Any) -> "TiedEmbedding":
+        """``param[...]`` (how a model reads its weights) returns the table itself."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("TiedEmbedding supports only [...] indexing")
+
+    def rows(self, tokens: jax.Array) -> jax.Array:
+        """tokens i32[T] -> [T, D]."""
+        panels = getattr(self.head, "panels", None)           # [V/P, D, P]
+        if panels is not None:
+            p = panels.shape[2]
+            return panels[tokens // p, :, tokens % p]
+        return self.head[:, tokens].T
+
+
+def tie_embedding(model: nnx.Module) -> nnx.Module:
+    """In place: a tied float model's embedding becomes a TiedEmbedding over its LM head
+    (once checked to hold the same numbers)."""
+    embed = getattr(model, "embed", None)
+    if not (model.cfg.tie_word_embeddings and isinstance(embed, nnx.Variable)):
+        return model
+    table, head = embed.get_value(), model.lm_head.get_value()
+    if not isinstance(table, jax.Array) or hasattr(head, "scales") or head.shape != table.shape[::-1] \
+            or head.dtype != table.dtype:
+        return model
+    if bool(_same_transposed(table, getattr(head, "panels", head))):
+        embed.set_value(TiedEmbedding(head))
+    return model
+
+
+@jax.jit
+def _same_transposed(table: jax.Array, head: jax.Array) -> jax.Array:
+    """table [V, D] == head.T, head given as [D, V] or as panels [V/P, D, P]."""
+    if head.ndim == 3:
+        head = head.transpose(1, 0, 2).reshape(head.shape[1], -1)
+    return jnp.array_equal(table.T, head)
+
+
+def prepare_for_engine(model: nnx.Module, mode: str | None, in_place: bool = False) -> nnx.Module:
+    """The single-device model as the engine runs it: quantized (``mode``), or a float32
+    model laid out for the CPU f32 kernel (``prepare_float_for_cpu``)."""
+    model = quantize_model(model, mode, in_place)
+    return model if mode else prepare_float_for_cpu(model, in_place)
 
 
 def is_quantized(model: nnx.Module) -> bool:

@@ -17,10 +17,11 @@ def default_gguf_path() -> str:
 
 
 def pytest_configure(config):
-    """One persistent XLA compilation cache for the whole run, shared by the xdist workers
-    (pyproject's addopts run two) and the subprocesses tests start: engines and generators
-    built by different tests compile identical executables once (the cold-start figure is
-    measured by benchmarks, not here)."""
+    """One persistent XLA compilation cache and one weight cache for the whole run, shared
+    by the xdist workers (pyproject's addopts run two) and the subprocesses tests start:
+    engines and generators built by different tests compile identical executables once
+    (the cold-start figure is measured by benchmarks, not here), and the user's own caches
+    are left alone."""
     import os
     import tempfile
 
@@ -32,3 +33,10 @@ def pytest_configure(config):
     else:
         path = tempfile.mkdtemp(prefix="jaxinfer-xla-cache-")
     enable_compilation_cache(path)
+    from jaxinfer.loading.weight_cache import use_default_dir
+
+    use_default_dir(os.path.join(path, "weights"))
+    # Engine()'s default warm-up is "background"; tests that want it say so (test_warmup)
+    from jaxinfer.engine.warmup import use_default_mode
+
+    use_default_mode("full")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +103,38 @@ def test_write_kv_shape_errors():
         kvc.write_kv(k, k, jnp.zeros((3, 2, 4)), jnp.zeros((3, 2, 4)), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="slot_mapping"):
         kvc.write_kv(k, k, jnp.zeros((3, 2, 8)), jnp.zeros((3, 2, 8)), jnp.zeros(2, jnp.int32))
+
+
+def _resident_bytes(x: jax.Array) -> int:
+    """Bytes of ``x``'s buffer in RAM now (mincore over its pages; CPU backend)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = x.unsafe_buffer_pointer() // page * page
+    n = -(-(x.unsafe_buffer_pointer() + x.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(ctypes.c_void_p(start), n * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) * page
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+def test_untouched_pool_is_resident_only_where_written():
+    """The engine's pool (untouched=True) holds RAM only for the pages a step writes, and a
+    donated write updates it in place; the default pool is zero-filled (all resident)."""
+    assert kvc.lazily_resident()
+    spec = kvc.KVCacheSpec(2, 1280, 16, 3, 64, jnp.float32)      # 30 MiB per array
+    cache = jax.block_until_ready(kvc.allocate_kv_cache(spec, untouched=True))
+    assert max(_resident_bytes(x) for x in jax.tree.leaves(cache)) <= 64 << 10
+    write = jax.jit(kvc.write_kv, donate_argnums=(0, 1))
+    k, v = cache[0]
+    ptr = k.unsafe_buffer_pointer()
+    rows = jnp.ones((8, 3, 64), jnp.float32)
+    slots = jnp.arange(8, dtype=jnp.int32) + 5 * 16                   # page 5, slots 0..7
+    k, v = jax.block_until_ready(write(k, v, rows, 2 * rows, slots))
+    assert k.unsafe_buffer_pointer() == ptr                             # in place: donation aliased it
+    np.testing.assert_array_equal(np.asarray(v[5, :8]), 2 * np.ones((8, 3, 64)))
+    assert _resident_bytes(k) <= 64 << 10 and _resident_bytes(v) <= 64 << 10
+    zeroed = jax.block_until_ready(kvc.allocate_kv_cache(spec))
+    assert _resident_bytes(zeroed[0][0]) >= spec.num_pages * spec.bytes_per_page // 4 - (64 << 10)

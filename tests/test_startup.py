@@ -59,13 +59,18 @@ def test_default_cache_defers_to_the_process_choice(monkeypatch):
     assert calls == []
 
 
-def test_kv_pool_sized_from_what_the_configuration_can_use():
-    from jaxinfer.engine.resources import kv_budget
+def test_kv_pool_sized_from_what_the_configuration_can_use(monkeypatch):
+    from jaxinfer.engine import kv_cache, resources
 
-    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
-    assert kv_budget(EngineConfig(), 100 << 20) == 100 << 20          # less than the cap: all of it
-    assert kv_budget(EngineConfig(), 64 * cap) <= cap                 # more: capped
-    assert kv_budget(EngineConfig(kv_cache_memory=3 << 30), 1 << 20) == 3 << 30   # the override wins
+    monkeypatch.setattr(resources, "available_ram", lambda: 16 << 30)
+    monkeypatch.setattr(resources, "total_ram", lambda: 32 << 30)
+    for lazy, cap in ((False, EngineConfig.DEFAULT_KV_CACHE_MEMORY), (True, 16 << 30)):
+        # an untouched pool (resident as pages are used) is capped only by half the RAM,
+        # all of it: free RAM moves between starts, and the pool's size fixes step shapes
+        monkeypatch.setattr(kv_cache, "lazily_resident", lambda: lazy)
+        assert resources.kv_budget(EngineConfig(), 100 << 20) == 100 << 20     # less than the cap: all of it
+        assert resources.kv_budget(EngineConfig(), 64 << 30) == cap            # more: capped
+        assert resources.kv_budget(EngineConfig(kv_cache_memory=3 << 30), 1 << 20) == 3 << 30   # the override wins
 
 
 def test_kv_cache_memory_flag_takes_sizes_with_units():
@@ -82,3 +87,15 @@ def test_kv_cache_memory_flag_takes_sizes_with_units():
             assert repr(bad) in str(e)
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_engine_in_python_serves_after_the_first_buckets_by_default():
+    """Engine() with no warm-up named compiles the rest in the background (this test
+    process chose "full" in conftest, so a fresh interpreter says what users get)."""
+    code = ("from jaxinfer.config import EngineConfig\n"
+            "from jaxinfer.engine.warmup import default_mode\n"
+            "print(EngineConfig().warmup, default_mode())\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "background"]

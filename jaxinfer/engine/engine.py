@@ -55,8 +55,6 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
-        from jaxinfer.loading import load_model
-
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
@@ -69,28 +67,21 @@ class Engine:
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = R.replica_meshes(config)
         R.start_kernel_builds()
-        if loaded is None:
-            loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
-        self.loaded = loaded
+        # the float model is not kept: only the quantized / kernel-laid-out one
+        self.loaded, models = R.engine_models(config, model, loaded, meshes)
+        del loaded
+        release_host_memory()
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         from jaxinfer.loading.default import model_name
         self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
-
         from jaxinfer.models.base import fit_context
 
-        models = [quantize_model(fit_context(m, self.max_model_len), config.quantization)
-                  for m in R.place_replicas(loaded, meshes)]
-        if not config.quantization and not meshes:
-            models = [prepare_float_for_cpu(m) for m in models]
-        # keep the quantized model, not the float one (the caller's LoadedModel is untouched);
-        # a float model this engine loaded itself is garbage from here, not kept through warm-up
-        self.loaded = dataclasses.replace(loaded, model=models[0])
-        del loaded
-        release_host_memory()
+        # the rotary set-up for max_model_len (weights untouched: after preparation)
+        models = [fit_context(m, self.max_model_len) for m in models]
+        self.loaded = dataclasses.replace(self.loaded, model=models[0])
         # models[0].cfg: KV heads repeated where tensor parallelism needs it
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
                                        self.max_model_len)
@@ -166,10 +157,11 @@ class Engine:
         background thread while the engine serves, or when a step first needs them
         (``EngineConfig.warmup``; engine/warmup.py). Returns the seconds spent compiling
         before the engine can serve."""
-        from jaxinfer.engine.warmup import BucketCompiler
+        from jaxinfer.engine.warmup import BucketCompiler, default_mode
 
         self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
-        mode = self.config.warmup if R.num_processes() == 1 else "full"   # followers replay any bucket
+        # followers replay any bucket
+        mode = (self.config.warmup or default_mode()) if R.num_processes() == 1 else "full"
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=self.compiler.first_total if mode == "lazy" else self.compiler.total,

@@ -132,15 +132,24 @@ class KVCacheSpec:
                            self.dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None) -> KVCache:
+def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = False) -> KVCache:
     """Zero-filled pages: a list over layers of (k_pages, v_pages). With a ``mesh`` the
-    pages are split by KV head over its model axis; each device allocates its part."""
+    pages are split by KV head over its model axis; each device allocates its part.
+
+    ``untouched`` (the engine's pool, whose attention never reads a slot before a step
+    writes it: see the module docstring): on one CPU device (``lazily_resident``) pages of
+    unspecified content, never written here, so the pool costs RAM only for the pages
+    requests have used and can be sized for what the configuration can use."""
     shape = (spec.num_pages, *spec.page_shape)
+    if untouched and mesh is None and lazily_resident():
+        from pallas_kernels.alloc.cpu import uninitialized as new
+    else:
+        new = jnp.zeros
 
     def make():
         if spec.quantized:
-            return QuantizedPages(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
-        return jnp.zeros(shape, spec.dtype)
+            return QuantizedPages(new(shape, jnp.int8), new(shape[:-1], jnp.float32))
+        return new(shape, jnp.dtype(spec.dtype))
 
     if mesh is not None:
         from jaxinfer import sharding as shd
@@ -148,6 +157,16 @@ def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None) -> KVCache:
                            jax.eval_shape(make))
         make = jax.jit(make, out_shardings=out)
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+def lazily_resident() -> bool:
+    """Whether ``allocate_kv_cache`` (without a mesh) leaves its pages untouched: the CPU
+    backend with pallas_kernels/alloc/cpu.py built."""
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels.alloc import cpu as alloc
+
+    return alloc.available()
 
 
 def kv_cache_shapes(spec: KVCacheSpec) -> KVCache:

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.memory import available_ram
+from jaxinfer.engine.memory import available_ram, total_ram
 
 log = logging.getLogger("jaxinfer")
 
@@ -78,6 +78,29 @@ def resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) 
     return dataclasses.replace(config, tensor_parallel_size=tp)
 
 
+def engine_models(config: EngineConfig, model: str | None, loaded: Any, meshes: list[Any]
+                  ) -> tuple[Any, list[Any]]:
+    """(the LoadedModel the engine keeps, each replica's model), the models as the engine
+    runs them (quantized, or laid out for the CPU kernels). A single-device model the
+    engine loads itself comes through the weight cache and is prepared in place
+    (loading/prepared.py); a caller's ``loaded`` is left as it was."""
+    from jaxinfer.loading import load_model
+    from jaxinfer.quantization import prepare_for_engine, quantize_model
+
+    if loaded is None and not meshes:
+        from jaxinfer.loading.prepared import load_prepared
+
+        loaded = load_prepared(model, config.dtype, config.quantization, config.weight_cache_dir)
+        return loaded, [loaded.model]
+    if loaded is None:
+        loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
+    if meshes:
+        models = [quantize_model(m, config.quantization) for m in place_replicas(loaded, meshes)]
+    else:
+        models = [prepare_for_engine(loaded.model, config.quantization)]
+    return dataclasses.replace(loaded, model=models[0]), models
+
+
 def place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:
     """The model for each replica: the loaded one (placed on the first mesh, re-placed from
     its host values if it was loaded elsewhere), copied shard by shard onto the others."""
@@ -122,19 +145,22 @@ def host_kv_pages(config: EngineConfig, bytes_per_page: int, num_replicas: int) 
 
         if jax.default_backend() == "cpu":
             return 0
-        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.HOST_KV_CACHE_RAM_FRACTION)
+        mem = int(total_ram() * config.HOST_KV_CACHE_RAM_FRACTION)
     return mem // num_replicas // bytes_per_page
 
 
 def kv_budget(config: EngineConfig, need: int | None = None) -> int:
     """Bytes for the KV pages: the configured size, or a fraction of the device's free
     memory where the backend reports it (weights are already resident), else (CPU) what
-    the configuration can use (``need``: every sequence at max_model_len) capped by
-    DEFAULT_KV_CACHE_MEMORY and half the RAM available now: the pool is resident from the
-    start (zero-filled), so a one-sequence engine should not hold a pool for 64."""
+    the configuration can use (``need``: every sequence at max_model_len), capped: an
+    untouched pool (engine/kv_cache.lazily_resident), which costs RAM only for the pages
+    requests use, by half the machine's RAM; a zero-filled one, resident from the start,
+    by DEFAULT_KV_CACHE_MEMORY and half the RAM available now."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
     import jax
+
+    from jaxinfer.engine.kv_cache import lazily_resident
 
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
@@ -143,12 +169,16 @@ def kv_budget(config: EngineConfig, need: int | None = None) -> int:
         log.info("KV cache: %.2f GiB (%.0f%% of free device memory)", budget / 2**30,
                  100 * config.kv_cache_memory_fraction)
         return budget
-    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
-    ram = available_ram()
-    if ram:
-        cap = min(cap, ram // 2)
+    if lazily_resident():
+        # The machine's RAM, not what is free now: the pool's size fixes every compiled
+        # step's shapes, so a size that moved with free memory would miss the compilation
+        # cache at every start.
+        cap = total_ram() // 2
+    else:
+        ram = available_ram()
+        cap = min(EngineConfig.DEFAULT_KV_CACHE_MEMORY, ram // 2 if ram else EngineConfig.DEFAULT_KV_CACHE_MEMORY)
     budget = min(need, cap) if need else cap
-    log.info("KV cache: %.0f MiB (%s)", budget / 2**20,
+    log.info("KV cache: %.0f MiB%s (%s)", budget / 2**20, ", resident as pages are used" if lazily_resident() else "",
              "all sequences at max_model_len" if need and need <= cap else "capped; --kv-cache-memory sets it")
     return budget
 

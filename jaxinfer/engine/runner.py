@@ -200,7 +200,7 @@ class ModelRunner:
                                                                  alibi=L.model_alibi_slopes(self.cfg) is not None)
         V = self.cfg.vocab_size
         if mesh is None:
-            self.kv = kvc.allocate_kv_cache(spec)
+            self.kv = kvc.allocate_kv_cache(spec, untouched=True)
             self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
             state_specs = kv_specs = None
         else:

@@ -22,6 +22,23 @@ from jaxinfer.engine.batch import Bucket, BucketLadders
 
 log = logging.getLogger("jaxinfer")
 
+_default_mode = "background"
+
+
+def default_mode() -> str:
+    """The warm-up of an engine whose EngineConfig.warmup is None: "background" (serve
+    after the buckets a first request needs), unless ``use_default_mode`` chose another."""
+    return _default_mode
+
+
+def use_default_mode(mode: str) -> None:
+    """This process's default warm-up (tests: "full", so no test meets a background
+    compile it did not ask for)."""
+    global _default_mode
+    if mode not in ("full", "background", "lazy"):
+        raise ValueError(f"warmup: must be 'full', 'background' or 'lazy', got {mode!r}")
+    _default_mode = mode
+
 
 def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
     """(first, rest): ``first`` is what a lone first request needs — the smallest decode

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.loading.lazy import LazyTensors
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.registry import config_from_hf, model_class, params_from_flat, weight_specs
 
@@ -37,17 +38,29 @@ def resolve_dtype(dtype: Any) -> Any:
     return dtype
 
 
-def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
-    flat: dict[str, np.ndarray] = {}
-    for path, spec in weight_specs(cfg).items():
+def hf_tensors_to_flat(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> LazyTensors:
+    """HF-named tensors ([out, in] layout) -> our paths and layout. Names are checked now;
+    each tensor is read, cut (``hf_take``), shape-checked and transposed when the model
+    is built from it (loading/lazy.py: one host tensor at a time)."""
+    specs = weight_specs(cfg)
+    names: dict[str, list[str]] = {}
+    for path, spec in specs.items():
         if spec.hf_experts:      # one tensor per expert, stacked
-            flat[path] = np.stack([_hf_tensor(spec, tensors, spec.hf_name.format(e=e), spec.shape[1:])
-                                   for e in range(spec.hf_experts)])
-            continue
-        name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
-        flat[path] = _hf_tensor(spec, tensors, name, spec.shape)
-    return flat
+            names[path] = [spec.hf_name.format(e=e) for e in range(spec.hf_experts)]
+        else:
+            names[path] = [spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors
+                           else spec.hf_alt]
+        for name in names[path]:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+
+    def read(path: str) -> np.ndarray:
+        spec = specs[path]
+        if spec.hf_experts:
+            return np.stack([_hf_tensor(spec, tensors, n, spec.shape[1:]) for n in names[path]])
+        return _hf_tensor(spec, tensors, names[path][0], spec.shape)
+
+    return LazyTensors(list(specs), read)
 
 
 def _hf_tensor(spec: Any, tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -80,7 +93,7 @@ def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = 
                             dtype, sharding.placer(mesh))
 
 
-def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any, mesh: Any = None
+def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None
            ) -> tuple[ModelConfig, Any]:
     cfg = config_from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them

@@ -25,6 +25,7 @@ import numpy as np
 from gguf.quants import dequantize as _gguf_dequantize
 
 from jaxinfer.loading import gguf_gpt
+from jaxinfer.loading.lazy import LazyTensors
 from jaxinfer.loading.tokenizer import Tokenizer
 
 # GGUF `general.architecture` -> HF `architectures[0]` / `model_type`; the GPT-style ones
@@ -108,10 +109,11 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 @dataclass(frozen=True, slots=True)
 class GGUFCheckpoint:
-    """A loaded GGUF: HF-style config dict, HF-named tensors, tokenizer, generation defaults."""
+    """A loaded GGUF: HF-style config dict, HF-named tensors (dequantized when read, each
+    time it is read: loading/lazy.py), tokenizer, generation defaults."""
 
     config: dict
-    tensors: dict[str, np.ndarray]
+    tensors: LazyTensors
     tokenizer: Tokenizer
     generation_config: dict
 
@@ -155,11 +157,13 @@ def load_gguf(path: str, dtype: Any = np.float32) -> GGUFCheckpoint:
             w = np.array(w, order="C")
         return w
 
-    # Serial on purpose: a thread pool measured slower (the numpy dequantizers are
-    # memory-bound and mostly hold the GIL between their many small ops).
-    tensors = {hf: convert(name) for name, hf in names.items()}
+    # Dequantized one at a time as the model is built (loading/lazy.py); serial on
+    # purpose: a thread pool measured slower (the numpy dequantizers are memory-bound and
+    # mostly hold the GIL between their many small ops).
+    gguf_name = {hf: name for name, hf in names.items()}
     if not gpt:       # (the GPT families' shapes are checked against their weight table)
-        _check_shapes(path, config, tensors)
+        _check_shapes(path, config, {hf: _shape(infos[name]) for name, hf in names.items()})
+    tensors = LazyTensors(list(gguf_name), lambda hf: convert(gguf_name[hf]))
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer,
                           generation_config=_generation_config(meta, config, tokenizer))
 
@@ -238,10 +242,15 @@ def _check_types(path: str, tensors: list) -> None:
                              f"(supported: {', '.join(sorted(x.name for x in ok))})")
 
 
+def _shape(info: Any) -> tuple[int, ...]:
+    """A tensor's numpy (C-order) shape: ggml lists dimensions fastest-first."""
+    return tuple(int(d) for d in reversed(info.shape.tolist()))
+
+
 def _dequantize(info: Any) -> np.ndarray:
     w = _gguf_dequantize(info.data, info.tensor_type)
     # The reader already shapes block data to (rows, bytes); the result is (rows, cols).
-    want = tuple(int(d) for d in reversed(info.shape.tolist()))
+    want = _shape(info)
     if w.shape != want:
         w = w.reshape(want)
     return w
@@ -273,7 +282,8 @@ def _hf_name(path: str, name: str, num_layers: int, arch: str = "llama") -> str:
                      f"{'/'.join(SUPPORTED_ARCHS)} decoder)")
 
 
-def _check_shapes(path: str, c: dict, tensors: dict[str, np.ndarray]) -> None:
+def _check_shapes(path: str, c: dict, tensors: dict[str, tuple[int, ...]]) -> None:
+    """``tensors``: HF name -> shape."""
     d, f, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     want = {"model.embed_tokens.weight": (c["vocab_size"], d), "model.norm.weight": (d,),
@@ -290,9 +300,9 @@ def _check_shapes(path: str, c: dict, tensors: dict[str, np.ndarray]) -> None:
     }
     for i in range(c["num_hidden_layers"]):
         want.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
-    for name, arr in tensors.items():
-        if name in want and tuple(arr.shape) != want[name]:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(arr.shape)}, the metadata "
+    for name, shape in tensors.items():
+        if name in want and shape != want[name]:
+            raise ValueError(f"{path}: tensor {name} has shape {shape}, the metadata "
                              f"implies {want[name]}")
     required = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{k}" for i in range(c["num_hidden_layers"])

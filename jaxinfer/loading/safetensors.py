@@ -5,12 +5,16 @@ safetensors never unpickles, so a hostile file can at worst be rejected as corru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
+
+from jaxinfer.loading.lazy import LazyTensors
 
 
 def read_json(path: str, what: str) -> dict[str, Any]:
@@ -45,20 +49,31 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def load_safetensors(model_dir: str, wanted: set[str] | None = None) -> dict[str, np.ndarray]:
-    """HF tensor name -> float32/bf16 numpy array, for every tensor (or only ``wanted``)."""
-    out: dict[str, np.ndarray] = {}
+def load_safetensors(model_dir: str, wanted: set[str] | None = None) -> LazyTensors:
+    """HF tensor name -> float32/bf16 numpy array, for every tensor (or only ``wanted``),
+    each read from its shard when asked for (loading/lazy.py)."""
+    where: dict[str, str] = {}
     for path in safetensors_files(model_dir):
         if not os.path.exists(path):
             raise FileNotFoundError(f"safetensors shard {path} listed in the index does not exist")
-        try:
-            # framework="numpy" (bfloat16 as ml_dtypes, safetensors >= 0.8): host arrays, so
-            # a tensor-parallel load sends each device only its shard (a "flax" read would
-            # first put every whole tensor on the default device).
-            with safe_open(path, framework="numpy") as f:
-                for name in f.keys():
-                    if wanted is None or name in wanted:
-                        out[name] = np.asarray(f.get_tensor(name))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
-    return out
+        with _opened(path) as f:
+            where.update({name: path for name in f.keys() if wanted is None or name in wanted})
+
+    def read(name: str) -> np.ndarray:
+        with _opened(where[name]) as f:
+            return np.asarray(f.get_tensor(name))
+
+    return LazyTensors(list(where), read)
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[Any]:
+    """``safe_open`` with the errors of a bad file as ValueError naming it."""
+    try:
+        # framework="numpy" (bfloat16 as ml_dtypes, safetensors >= 0.8): host arrays, so
+        # a tensor-parallel load sends each device only its shard (a "flax" read would
+        # first put every whole tensor on the default device).
+        with safe_open(path, framework="numpy") as f:
+            yield f
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: corrupt or unreadable safetensors file ({e})") from None

@@ -86,6 +86,21 @@ def _import_transformers() -> Any:
     return transformers
 
 
+def _fast_tokenizer(path: str) -> Any:
+    """transformers' fast tokenizer from a directory holding tokenizer.json."""
+    transformers = _import_transformers()
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise FileNotFoundError(
+            f"{path}: no tokenizer.json (a fast tokenizer is required; slow/sentencepiece-only "
+            "tokenizers are not supported)")
+    hf = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if not isinstance(hf, transformers.PreTrainedTokenizerFast):
+        raise ValueError(f"{path}: expected a fast tokenizer, got {type(hf).__name__}")
+    return hf
+
+
 class Tokenizer:
     """Text <-> token ids, chat templates, and the ids that end generation.
 
@@ -106,18 +121,7 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":
         """A checkpoint directory with tokenizer.json (+ tokenizer_config.json, chat template)."""
-        transformers = _import_transformers()
-        AutoTokenizer, PreTrainedTokenizerFast = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
-
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise FileNotFoundError(
-                f"{path}: no tokenizer.json (a fast tokenizer is required; slow/sentencepiece-only "
-                "tokenizers are not supported)")
-        hf = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-        if not isinstance(hf, PreTrainedTokenizerFast):
-            raise ValueError(f"{path}: expected a fast tokenizer, got {type(hf).__name__}")
+        hf = _fast_tokenizer(path)
         extra: list[int] = []
         for name in ("generation_config.json", "config.json"):
             fn = os.path.join(path, name)
@@ -126,6 +130,12 @@ class Tokenizer:
                     eos = json.load(f).get("eos_token_id")
                 extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
         return cls(hf, extra)
+
+    @classmethod
+    def from_saved(cls, path: str, eos_token_ids: Sequence[int], vocab_size: int) -> "Tokenizer":
+        """A tokenizer that ``self.hf.save_pretrained(path)`` wrote, with the end ids and
+        vocabulary size the saved one had (loading/weight_cache.py)."""
+        return cls(_fast_tokenizer(path), eos_token_ids, vocab_size)
 
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> "Tokenizer":

@@ -66,13 +66,34 @@ def fused_part(t: np.ndarray, *, sizes: tuple[int, ...], part: int, axis: int = 
     return np.moveaxis(out, 0, axis)
 
 
-def init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
+def init_value(spec: WeightSpec, key: Any, dtype: Any) -> Any:
+    if key is _NO_INIT:
+        return jax.ShapeDtypeStruct(spec.shape, dtype)
     if spec.init == "ones":
         return jnp.ones(spec.shape, dtype)
     if spec.init == "zeros":
         return jnp.zeros(spec.shape, dtype)
     return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
 
+
+
+_NO_INIT = object()
+
+
+class _NoInit:
+    """Stands in for nnx.Rngs in ``abstract_model``: its keys tell ``init_value`` to make
+    only each weight's shape."""
+
+    def params(self) -> object:
+        return _NO_INIT
+
+
+def abstract_model(cls: Any, cfg: ModelConfig, dtype: Any) -> nnx.Module:
+    """Family ``cls``'s module for ``cfg`` with every weight a ShapeDtypeStruct, to be
+    filled. Nothing is allocated or traced: ``nnx.eval_shape`` would trace each weight's
+    random init, ~1 s of every start for 30 layers (most of it in flax asking tracers for
+    their sharding)."""
+    return cls(cfg, dtype, rngs=_NoInit())
 
 
 def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
@@ -89,7 +110,7 @@ def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = 
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. "
                          f"{specs[missing[0]].hf_name!r} (for {missing[0]})")
-    model = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0)))
+    model = abstract_model(cls, cfg, dtype)
     for path, spec in specs.items():
         arr = flat[path]
         if tuple(arr.shape) != spec.shape:

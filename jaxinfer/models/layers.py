@@ -193,7 +193,8 @@ def embed_lookup(emb: jax.Array, tokens: jax.Array, axis: str | None) -> jax.Arr
     all-reduce assembles them. Exactly one device adds a non-zero, so the sum is exact.
     """
     if axis is None:
-        return emb[tokens]
+        # a tied model's table read from its LM head (quantization.TiedEmbedding)
+        return emb.rows(tokens) if hasattr(emb, "rows") else emb[tokens]
     v_local = emb.shape[0]
     local = tokens - jax.lax.axis_index(axis) * v_local
     mine = (local >= 0) & (local < v_local)

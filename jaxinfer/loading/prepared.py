@@ -1,0 +1,63 @@
+"""The single-device model as the engine runs it, from the weight cache when a previous
+start saved it (loading/weight_cache.py), else loaded and prepared one tensor at a time.
+
+Loaded from the source, the checkpoint is read lazily (loading/lazy.py) and prepared in
+place (quantization.prepare_for_engine): each weight's float form is freed as soon as its
+final form exists, so the load never holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+
+from jaxinfer.loading import LoadedModel, load_model, model_path
+from jaxinfer.loading import weight_cache
+
+log = logging.getLogger("jaxinfer")
+
+
+def load_prepared(model: str | None, dtype: str, quantization: str | None,
+                  cache_dir: str | None) -> LoadedModel:
+    """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels;
+    through the weight cache ``cache_dir`` (EngineConfig.weight_cache_dir) unless it is
+    None / ""."""
+    from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
+    from jaxinfer.quantization import prepare_for_engine
+
+    t0 = time.perf_counter()
+    cache_dir = weight_cache.resolve_dir(cache_dir)
+    source = model_path(model)
+    options = {"dtype": dtype, "quantization": quantization}
+    key = weight_cache.cache_key(source, options) if cache_dir else None
+    if key:
+        hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
+        if hit is not None:
+            hit.load_seconds = time.perf_counter() - t0
+            log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
+            return hit
+    with large_blocks_mapped():
+        loaded = load_model(model, dtype)
+        loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
+    release_host_memory()
+    if key:
+        weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype))
+    loaded.load_seconds = time.perf_counter() - t0
+    return loaded
+
+
+def kernel_layout(quantization: str | None, dtype: str) -> dict[str, Any]:
+    """Which CPU kernel lays out the prepared weights (its layout is used only where it is
+    built): asked after loading, so a first start's kernel builds overlap the load."""
+    if jax.default_backend() != "cpu":
+        return {}
+    if quantization == "int8":
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+        return {"int8_kernel": cpu_matmul.available()}
+    if quantization is None and dtype == "float32":
+        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
+        return {"f32_kernel": cpu_f32_matmul.available()}
+    return {}

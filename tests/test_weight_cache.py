@@ -1,0 +1,137 @@
+"""The weight cache (loading/weight_cache.py, loading/prepared.py): a first load prepares
+the weights in place and saves them, a second maps them; both give the same model,
+tokenizer and configs. A changed source, other kernels or a damaged entry are not served."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxinfer.loading import prepared, weight_cache
+from jaxinfer.loading.prepared import load_prepared
+from test_gguf import tiny_hf_weights, write_gguf
+
+
+@pytest.fixture()
+def gguf_path(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_weights())
+    return str(path)
+
+
+def _state(model) -> dict:
+    """path -> (container type, its arrays as numpy)."""
+    out = {}
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable):
+            value = var.get_value()
+            out[path] = (type(value).__name__, [np.asarray(x) for x in jax.tree.leaves(value)])
+    return out
+
+
+def _loads_from_source(monkeypatch) -> list[str]:
+    calls = []
+    real = prepared.load_model
+    monkeypatch.setattr(prepared, "load_model", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_second_load_maps_the_first_ones_weights(gguf_path, tmp_path, monkeypatch, quantization):
+    cache = str(tmp_path / "cache")
+    calls = _loads_from_source(monkeypatch)
+    first = load_prepared(gguf_path, "float32", quantization, cache)
+    second = load_prepared(gguf_path, "float32", quantization, cache)
+    assert calls == [gguf_path]                          # the second came from the cache
+    a, b = _state(first.model), _state(second.model)
+    assert a.keys() == b.keys()
+    for path in a:
+        assert a[path][0] == b[path][0], path
+        for x, y in zip(a[path][1], b[path][1], strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape, path
+            np.testing.assert_array_equal(x, y, err_msg=str(path))
+    if quantization is None:   # the tied head is stored once and read back as one array
+        assert a[("embed",)][0] == "TiedEmbedding"
+        head = second.model.lm_head.get_value()
+        assert second.model.embed.get_value().head.unsafe_buffer_pointer() == head.unsafe_buffer_pointer()
+        tokens = jnp.arange(0, 260, 7, dtype=jnp.int32)
+        table = tiny_hf_weights()["model.embed_tokens.weight"]
+        np.testing.assert_array_equal(np.asarray(second.model.embed.get_value().rows(tokens)),
+                                      table[np.asarray(tokens)])
+    assert (second.config, second.hf_config, second.generation_config, second.source) == \
+        (first.config, first.hf_config, first.generation_config, first.source)
+    t1, t2 = first.tokenizer, second.tokenizer
+    assert (t2.eos_token_ids, t2.vocab_size, t2.bos_token_id) == (t1.eos_token_ids, t1.vocab_size, t1.bos_token_id)
+    for text in ("hello", "hell hello\n", "<s>he</s>"):
+        assert t2.encode(text) == t1.encode(text)
+        assert t2.decode(t1.encode(text)) == t1.decode(t1.encode(text))
+
+
+def test_weights_are_mapped_not_copied(gguf_path, tmp_path):
+    cache = str(tmp_path / "cache")
+    load_prepared(gguf_path, "float32", None, cache)
+    second = load_prepared(gguf_path, "float32", None, cache)
+    entry = next(p for p in (tmp_path / "cache").iterdir())
+    norm = second.model.final_norm.get_value()
+    mapped = np.load(entry / next(w["arrays"][""]["file"] for w in
+                                  json.loads((entry / weight_cache.META).read_text())["weights"]
+                                  if w["path"] == ["final_norm"]), mmap_mode="r")
+    np.testing.assert_array_equal(np.asarray(norm), mapped)
+    # the jax array is the file's mapping itself: its pages lie in the .npy file
+    maps = [line.split() for line in open("/proc/self/maps")]
+    ptr = norm.unsafe_buffer_pointer()
+    assert any(int(a, 16) <= ptr < int(b, 16) and m[-1].startswith(str(entry))
+               for m in maps if len(m) >= 6 for a, b in [m[0].split("-")])
+
+
+def test_a_changed_source_other_options_or_kernels_are_not_served(gguf_path, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    calls = _loads_from_source(monkeypatch)
+    load_prepared(gguf_path, "float32", None, str(cache))
+    old = set(cache.iterdir())
+    load_prepared(gguf_path, "float32", "int8", str(cache))           # other options: another entry
+    assert len(calls) == 2 and len(list(cache.iterdir())) == 2
+    st = os.stat(gguf_path)
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # the file changed
+    load_prepared(gguf_path, "float32", None, str(cache))
+    assert len(calls) == 3
+    # the new float32 entry replaced the old one; the int8 entry stays
+    assert len(list(cache.iterdir())) == 2 and not old & set(cache.iterdir())
+    monkeypatch.setattr(prepared, "kernel_layout", lambda q, d: {"f32_kernel": "elsewhere"})
+    load_prepared(gguf_path, "float32", None, str(cache))              # laid out for other kernels
+    assert len(calls) == 4
+
+
+def test_a_damaged_entry_is_reloaded_from_the_source(gguf_path, tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "cache"
+    calls = _loads_from_source(monkeypatch)
+    load_prepared(gguf_path, "float32", None, str(cache))
+    entry = next(cache.iterdir())
+    next(entry.glob("*.npy")).unlink()
+    with caplog.at_level(logging.WARNING, logger="jaxinfer"):
+        again = load_prepared(gguf_path, "float32", None, str(cache))
+    assert len(calls) == 2 and "unreadable" in caplog.text
+    assert again.model.lm_head.get_value().shape == (64, 260)
+
+
+def test_off_when_no_directory(gguf_path, tmp_path, monkeypatch):
+    calls = _loads_from_source(monkeypatch)
+    for off in (None, ""):
+        load_prepared(gguf_path, "float32", None, off)
+    assert len(calls) == 2
+
+
+def test_cache_directory_others_can_write_is_refused(gguf_path, tmp_path, caplog):
+    cache = tmp_path / "shared"
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)
+    with caplog.at_level(logging.WARNING, logger="jaxinfer"):
+        load_prepared(gguf_path, "float32", None, str(cache))
+    assert "not saved" in caplog.text and not list(cache.iterdir())

@@ -263,8 +263,23 @@ class SamplingParams:
     # Prefix caching (vLLM's cache_salt): requests share cached KV pages only with requests
     # of the same salt, so tenants who must not see each other's timing don't share.
     cache_salt: str | None = None
+    # Scoring and search (engine/scoring.py, engine/beam.py, engine/watermark.py):
+    # prompt_logprobs=k: every prompt token's logprob and the top k alternatives (vLLM);
+    # with it max_tokens may be 0 (score the prompt, generate nothing). best_of: sample
+    # that many, return the n with the highest cumulative logprob. beam_width > 1: beam
+    # search (HF generate's num_beams), its n best hypotheses returned, ranked by
+    # cumulative logprob / generated_length ** length_penalty; early_stopping True /
+    # False / "never" as in HF. watermark: True, {"gamma": g, "delta": d} or a
+    # watermark.Watermark.
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    watermark: Any = None
 
     MAX_LOGPROBS = 20
+    MAX_BEAM_WIDTH = 10        # 2 * width candidates per beam must fit the top-MAX_LOGPROBS
     MAX_CACHE_SALT_CHARS = 1024
 
     def __post_init__(self) -> None:
@@ -279,7 +294,8 @@ class SamplingParams:
         _require(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
                  "n", f"must be an integer >= 1, got {self.n!r}")
         _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-                 and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+                 and self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
+                 f"must be an integer >= 1 (0 only with prompt_logprobs), got {self.max_tokens!r}")
         _require(isinstance(self.temperature, _num) and math.isfinite(self.temperature)
                  and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
         _require(isinstance(self.top_p, _num) and 0 < self.top_p <= 1, "top_p",
@@ -308,6 +324,51 @@ class SamplingParams:
                  and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
                  f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         self._check_constraints()
+        self._check_search()
+
+    def _check_search(self) -> None:
+        """prompt_logprobs, best_of, beam search, watermark, and the combinations not served."""
+        from jaxinfer.engine.watermark import Watermark
+
+        def count(name: str, lo: int, hi: int | None = None) -> None:
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi),
+                     name, f"must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+
+        object.__setattr__(self, "watermark", Watermark.parse(self.watermark))
+        if self.prompt_logprobs is not None:
+            count("prompt_logprobs", 0, self.MAX_LOGPROBS)
+        if self.max_tokens == 0:
+            _require(self.n == 1 and self.best_of is None and self.beam_width == 1, "max_tokens",
+                     "0 (score the prompt only) takes n=1, no best_of and no beam search")
+        if self.best_of is not None:
+            count("best_of", self.n)
+            _require(self.best_of == 1 or self.temperature > 0, "best_of",
+                     "must be 1 with greedy sampling (temperature 0): every sample would be the same")
+        count("beam_width", 1, self.MAX_BEAM_WIDTH)
+        _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
+                 and math.isfinite(self.length_penalty), "length_penalty",
+                 f"must be a finite number, got {self.length_penalty!r}")
+        _require(self.early_stopping in (True, False, "never"), "early_stopping",
+                 f"must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.beam_width > 1:
+            self._check_beam()
+
+    def _check_beam(self) -> None:
+        """Beam search is deterministic (HF's num_beams without do_sample) over the raw
+        log-probabilities: options that would change them or need sampling are refused."""
+        _require(self.n <= self.beam_width, "n", f"must be <= beam_width={self.beam_width} with beam search, "
+                 f"got {self.n}")
+        _require(self.temperature == 0, "temperature", "must be 0 with beam search (it is deterministic)")
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            _require(getattr(self, name) in (off, -1 if name == "top_k" else off), name,
+                     "is not supported with beam search")
+        for name in ("best_of", "logprobs", "watermark"):
+            _require(getattr(self, name) is None, name, "is not supported with beam search")
+        _require(not self.stop, "stop", "stop strings are not supported with beam search (stop_token_ids are)")
+        _require(not self.constrained, "guided", "guided decoding, logit_bias, min_tokens and bad_words are "
+                 "not supported with beam search")
 
     def _check_constraints(self) -> None:
         from jaxinfer.engine import guided as G
@@ -365,6 +426,10 @@ class CompletionOutput:
     finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
     stop_reason: str | int | None = None      # the stop string or token id that ended it
     logprobs: list[Logprob] | None = None
+    # Sum of the chosen tokens' logprobs (best_of and beam search; else None). Beam
+    # search also reports HF's sequence score: cumulative_logprob / length ** length_penalty.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclass(slots=True)
@@ -387,6 +452,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context); filled once the prompt is computed.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:

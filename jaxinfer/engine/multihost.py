@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import sampler as S
-from jaxinfer.engine.batch import DEVICE_ARRAYS, Bucket
+from jaxinfer.engine.batch import STEP_ARRAYS, Bucket
 
 log = logging.getLogger("jaxinfer")
 
@@ -37,7 +37,7 @@ _STOP = b"stop"
 
 def _treedef():
     """Structure of a step's host arrays (runner.ModelRunner.dispatch builds it)."""
-    return jax.tree.structure({"arrays": {k: 0 for k in DEVICE_ARRAYS},
+    return jax.tree.structure({"arrays": {k: 0 for k in STEP_ARRAYS},
                                "t": S.sampling_tensors_from_params([], [], [], 1),
                                "sample_rows": 0})
 

@@ -188,7 +188,7 @@ def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: ja
         return logits - jnp.where(out_seen, t.presence_penalty[:, None], 0.0)
 
 
-def _any_penalty(t: SamplingTensors) -> jax.Array:
+def any_penalty(t: SamplingTensors) -> jax.Array:
     return jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0)
                    | (t.frequency_penalty != 0))
 
@@ -528,7 +528,7 @@ def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Arra
     b, v = raw.shape
     x = lax.cond(jnp.any(t.watermark_delta > 0), lambda: _apply_watermark(raw, t), lambda: raw)
     if pen_of is not None:
-        x = lax.cond(_any_penalty(t), lambda: apply_penalties(x, *pen_of(), t), lambda: x)
+        x = lax.cond(any_penalty(t), lambda: apply_penalties(x, *pen_of(), t), lambda: x)
     if mask is not None:
         x = lax.cond(jnp.any(mask.active), lambda y: apply_token_mask(y, mask), lambda y: y, x)
     greedy = t.temperature <= 0

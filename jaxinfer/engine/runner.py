@@ -247,13 +247,14 @@ class ModelRunner:
         self.last_scores: jax.Array | None = None
         self.page_mover: Any = None       # kv_offload.PageMover, with a host tier or poisoning
 
-    def enable_page_moves(self, num_host_slots: int) -> float:
+    def enable_page_moves(self, num_host_slots: int, host: bool = True) -> float:
         """A host pool of ``num_host_slots`` pages and the page-copy executables, compiled
-        now (start-up); returns the seconds compiling took."""
+        now (start-up); ``host`` False: only the device-to-device copy (beam search).
+        Returns the seconds compiling took."""
         from jaxinfer.engine.kv_offload import PageMover
 
         self.page_mover = PageMover(self.kv, num_host_slots, self.mesh)
-        secs = self.page_mover.compile(self.kv)
+        secs = self.page_mover.compile(self.kv, host)
         self.compile_seconds += secs
         return secs
 

@@ -224,6 +224,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watermark_detect(args: argparse.Namespace) -> int:
+    """Kirchenbauer et al.'s z-test on a text (engine/watermark.py): exit status 0, the
+    z-score and p-value on stdout (JSON with --json)."""
+    import json
+
+    from jaxinfer.engine.watermark import detect_text
+    from jaxinfer.loading import load_tokenizer
+
+    if args.text is not None and args.file is not None:
+        raise ValueError("text: give it as an argument or with --file, not both")
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = args.text if args.text is not None else sys.stdin.read()
+    d = detect_text(text, load_tokenizer(args.model), args.gamma,
+                    ignore_repeated_bigrams=not args.count_repeated_bigrams)
+    if args.json:
+        print(json.dumps(d.as_dict()))
+    else:
+        print(f"z-score {d.z_score:.3f}  p-value {d.p_value:.3g}  "
+              f"({d.num_green} of {d.num_scored} scored tokens green, gamma {args.gamma})")
+    return 0
+
+
 def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
     """The serve API key: --api-key, else --api-key-file, else $JAXINFER_API_KEY (as vLLM reads
     $VLLM_API_KEY), else None. A file or the environment keeps the key out of `ps`."""
@@ -291,6 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:   # serving extras missing: the subcommand explains at run time
         pass
     s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("watermark-detect", help="z-score and p-value of a text for the watermark "
+                                                "(`watermark: true` requests)")
+    w.add_argument("text", nargs="?", default=None, help="the text (default: stdin)")
+    w.add_argument("--file", default=None, help="read the text from this file")
+    add_model_args(w)
+    w.add_argument("--gamma", type=float, default=0.5, help="the green-list fraction it was generated with")
+    w.add_argument("--count-repeated-bigrams", action="store_true",
+                   help="score every token, not each (previous, token) pair once")
+    w.add_argument("--json", action="store_true", help="print the result as JSON")
+    w.set_defaults(func=cmd_watermark_detect)
 
     from jaxinfer.bench.cli import add_bench_parser
 

@@ -529,6 +529,10 @@ class EngineConfig:
     # a step first needs it (one-shot runs: `jaxinfer generate`). Once warm (all compiled,
     # never for "lazy") no step compiles.
     warmup: str = "full"
+    # Prompt logprobs (SamplingParams.prompt_logprobs, OpenAI echo + logprobs): every
+    # prefill bucket gets a scoring twin that also computes all positions' logits
+    # (engine/scoring.py), compiled after the others; off, such requests are refused.
+    enable_prompt_logprobs: bool = False
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape

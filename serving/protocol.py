@@ -300,6 +300,7 @@ class GenRequest:
     top_logprobs: int | None = None   # None: no logprobs in the response; k: chosen + top k
     tgi_details: bool = False
     return_full_text: bool = False
+    prompt_logprobs: bool = False      # vLLM's prompt_logprobs field in the response
     tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -348,7 +349,6 @@ def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
     n = f.int("n", 1, lo=1)
     if n > limits.max_n:
         raise bad("n", f"must be <= {limits.max_n} on this server, got {n}")
-    f.reject_if_set("use_beam_search", "beam search")
     return dict(openai_constraints(f, limits),
         n=n,
         temperature=f.num("temperature", 1.0),
@@ -384,23 +384,22 @@ def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenR
     f = Fields(body)
     model = _check_model(f, limits)
     f.reject_if_set("suffix", "suffix / insertion", allowed=("",))
-    best_of = f.int("best_of", None, lo=1)
     stream, include_usage = _stream_flags(f)
     echo = f.bool("echo", False)
     logprobs = f.int("logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)",
-                  code="unsupported")
     sampling = _common_sampling(f, limits)
-    if best_of is not None and best_of != sampling["n"]:
-        raise bad("best_of", "best_of other than n is not supported", code="unsupported")
-    max_tokens = f.int("max_tokens", None, lo=1)
+    from serving.scoring_protocol import openai_search
+
+    sampling.update(openai_search(f, limits, n=sampling["n"], echo=echo, logprobs=logprobs, stream=stream))
+    # scoring only (echo + logprobs, prompt_logprobs): max_tokens 0 generates nothing
+    max_tokens = f.int("max_tokens", None, lo=0 if "prompt_logprobs" in sampling else 1)
     prompt_ids, prompt_text = _completion_prompt(body, limits, tokenizer)
-    sampling["max_tokens"] = _resolve_max_tokens(max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                                                 len(prompt_ids), limits, "max_tokens", "prompt")
-    params = _sampling_params({}, logprobs=logprobs, **sampling)
+    sampling["max_tokens"] = max_tokens if max_tokens == 0 else _resolve_max_tokens(
+        max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids), limits, "max_tokens", "prompt")
+    params = _sampling_params({"beam_width": "best_of"}, logprobs=logprobs, **sampling)
     return GenRequest("completion", model, prompt_ids, prompt_text, params, stream=stream,
-                      include_usage=include_usage, echo=echo, top_logprobs=logprobs)
+                      include_usage=include_usage, echo=echo, top_logprobs=logprobs,
+                      prompt_logprobs=f.get("prompt_logprobs") is not None)
 
 
 def _completion_prompt(body: dict, limits: Limits, tokenizer: Any) -> tuple[list[int], str]:
@@ -562,9 +561,7 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     if raw is not None and not isinstance(raw, dict):
         raise bad("parameters", f"must be an object, got {_type_name(raw)}")
     f = Fields(raw or {}, "parameters.")
-    for key, why in (("decoder_input_details", "prompt logprobs are not computed"),
-                     ("watermark", "watermarking"),
-                     ("adapter_id", "adapters"), ("truncate", "input truncation"),
+    for key, why in (("adapter_id", "adapters"), ("truncate", "input truncation"),
                      ("typical_p", "typical sampling")):
         f.reject_if_set(key, why)
     f.int("best_of", None, lo=1, hi=1)
@@ -594,10 +591,13 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     aliases["max_tokens"] = "parameters.max_new_tokens"
     aliases["logprobs"] = "parameters.top_n_tokens"
     from serving.guided_protocol import tgi_grammar
+    from serving.scoring_protocol import tgi_search
 
+    aliases["beam_width"] = "parameters.num_beams"
     params = _sampling_params(
         aliases,
         **tgi_grammar(f),
+        **tgi_search(f, limits, stream=stream, details=details),
         max_tokens=max_new,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_p=top_p if top_p is not None else 1.0,
@@ -787,14 +787,20 @@ def completion_id(req: GenRequest) -> str:
 
 
 def completion_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) -> dict:
+    from serving import scoring_protocol as SP
+
     choices = []
     for o in out.outputs:
         prefix = req.prompt_text if req.echo else ""
         lp = None
         if req.top_logprobs is not None and o.logprobs is not None:
             lp, _ = completion_logprobs(o.logprobs, req.top_logprobs, texts, len(prefix))
+        if req.echo and req.top_logprobs is not None:
+            lp = SP.join_logprobs(SP.echo_logprobs(out, req.top_logprobs, texts)[0], lp)
         choices.append({"index": o.index, "text": prefix + o.text, "logprobs": lp,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, **SP.search_fields(o)})
+        if req.prompt_logprobs:
+            choices[-1]["prompt_logprobs"] = SP.vllm_prompt_logprobs(out, texts)
     return {"id": completion_id(req), "object": "text_completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": output_usage(req, out)}
 
@@ -843,10 +849,12 @@ class OpenAIStreamer:
             if self.req.kind == "chat":
                 res.extend(self._chat_chunks(d))
             else:
-                res.append(self._completion_chunk(d))
+                res.append(self._completion_chunk(d, out))
         return res
 
-    def _completion_chunk(self, d: Delta) -> dict:
+    def _completion_chunk(self, d: Delta, out: RequestOutput) -> dict:
+        from serving import scoring_protocol as SP
+
         text = (self.req.prompt_text if self.req.echo and d.first else "") + d.text
         lp = None
         if self.req.top_logprobs is not None and d.logprobs is not None:
@@ -854,8 +862,13 @@ class OpenAIStreamer:
                 self.offsets[d.index] = len(self.req.prompt_text)
             lp, self.offsets[d.index] = completion_logprobs(d.logprobs, self.req.top_logprobs,
                                                             self.texts, self.offsets[d.index])
-        return self._chunk([{"index": d.index, "text": text, "logprobs": lp,
-                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if d.first and self.req.echo and self.req.top_logprobs is not None:
+            lp = SP.join_logprobs(SP.echo_logprobs(out, self.req.top_logprobs, self.texts)[0], lp)
+        choice = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        if d.first and self.req.prompt_logprobs:
+            choice["prompt_logprobs"] = SP.vllm_prompt_logprobs(out, self.texts)
+        return self._chunk([choice])
 
     def _chat_chunks(self, d: Delta) -> list[dict]:
         res = []
@@ -910,8 +923,12 @@ def tgi_response(req: GenRequest, out: RequestOutput, texts: TokenTexts, special
         lps = o.logprobs or []
         tokens = [_tgi_token(t, texts(t), lps[j] if j < len(lps) else None, special)
                   for j, t in enumerate(o.token_ids)]
+        prefill = []
+        if req.params.prompt_logprobs is not None:
+            from serving.scoring_protocol import tgi_prefill
+            prefill = tgi_prefill(out, texts)
         details: dict[str, Any] = {"finish_reason": tgi_finish_reason(o), "generated_tokens": len(o.token_ids),
-                                   "seed": req.params.seed, "prefill": [], "tokens": tokens}
+                                   "seed": req.params.seed, "prefill": prefill, "tokens": tokens}
         if req.top_logprobs:
             details["top_tokens"] = [_tgi_top(lps[j] if j < len(lps) else None, req.top_logprobs,
                                               texts, special) for j in range(len(o.token_ids))]

@@ -21,6 +21,7 @@ import numpy as np
 from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, RequestMetrics,
                              RequestOutput, SamplingParams)
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
+from jaxinfer.engine import search
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.memory import available_ram, release_host_memory
@@ -49,10 +50,37 @@ class _Request:
     finished: bool = False
     stop_reasons: list[Any] = field(default_factory=list)
     sent: list[tuple[int, int]] = field(default_factory=list)   # per sample: tokens, chars in deltas so far
+    beam: Any = None                    # beam.BeamRequest of a beam search
+    prompt_logprobs: list[Logprob | None] | None = None
+    final: list[CompletionOutput] | None = None    # beam / best_of outputs, once finished
+
+    @property
+    def visible(self) -> bool:
+        """Outputs may be shown (beam and best_of requests show only their final ones)."""
+        return self.finished or search.streams(self.params)
+
+    def finalize(self, tokenizer: Any) -> None:
+        """A finished beam or best_of request: pick the outputs it returns."""
+        p = self.params
+        if self.beam is not None:
+            self.final = search.beam_outputs(self.beam, p, tokenizer, self.prompt_token_ids)
+        elif not search.streams(p):
+            self.final = []
+            for i, j in enumerate(search.best_of_order(self.seqs, p.n)):
+                s, d = self.seqs[j], self.detoks[j]
+                self.final.append(CompletionOutput(
+                    i, d.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
+                    None if self.logprobs is None else list(self.logprobs[j]), s.cumulative_logprob))
+
+    def _output(self, outs: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             self.metrics, self.prompt_logprobs)
 
     def delta(self) -> RequestOutput:
         """What is new since this request's previous ``delta()``: per sample, the new token ids,
         text and logprobs. Costs O(new), where ``snapshot`` copies everything so far."""
+        if self.final is not None:
+            return self._output(self.final)
         if not self.sent:
             self.sent = [(0, 0)] * len(self.seqs)
         outs = []
@@ -63,18 +91,18 @@ class _Request:
                 index=i, text=d.text_since(nc), token_ids=toks[nt:], finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[i][nt:]))
             self.sent[i] = (len(toks), d.text_len)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+        return self._output(outs)
 
     def snapshot(self) -> RequestOutput:
+        if self.final is not None:
+            return self._output(self.final)
         outs = []
         for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
             outs.append(CompletionOutput(
                 index=i, text=d.text, token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=None if self.logprobs is None else list(self.logprobs[i])))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+        return self._output(outs)
 
 
 def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
@@ -174,8 +202,8 @@ class Engine:
                           prefill_shapes=self.ladders.prefill_shapes)
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                              mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
-        if bm.host.num_slots or c.debug_poison_freed_pages:
-            runner.enable_page_moves(bm.host.num_slots)
+        # beam search forks copy pages on the device: the copy is always there
+        runner.enable_page_moves(bm.host.num_slots, host=bool(bm.host.num_slots or c.debug_poison_freed_pages))
         return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)
 
     # The first replica's parts, for single-replica callers (benchmarks, tests).
@@ -221,7 +249,7 @@ class Engine:
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
                              c.prefill_buckets or auto.prefill_shapes,
-                             c.page_buckets or auto.page_sizes)
+                             c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs)
 
     def _warmup(self, progress: bool) -> float:
         """Compile the buckets a first request needs, then the rest: here, or in a
@@ -306,15 +334,20 @@ class Engine:
         constraints = self._constraints(params) if params.constrained else None
         seqs = make_sequences(request_id, ids, params, priority=priority)
         replica = self._pick_replica(seqs[0])
+        beam = search.start(params, seqs, self.eos_token_ids, self.max_model_len)
+        if params.prompt_logprobs is not None and not self.ladders.score:
+            raise ValueError("prompt_logprobs: this engine was started without scoring buckets "
+                             "(EngineConfig.enable_prompt_logprobs / --enable-prompt-logprobs)")
         self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
         seeds = [derive_seed(params.seed, i) if params.seed is not None
-                 else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
+                 else int(self._rng.integers(0, 2**32)) for i in range(len(seqs))]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output) for _ in seqs]
         lps = None if params.logprobs is None else [[] for _ in seqs]
-        self._requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
-                                              RequestMetrics(arrival_time=time.monotonic()), replica,
-                                              constraints=constraints)
+        req = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
+                       RequestMetrics(arrival_time=time.monotonic()), replica, constraints=constraints, beam=beam,
+                       prompt_logprobs=search.prompt_logprob_list(params, len(ids)))
+        self._requests[request_id] = req
         return request_id
 
     def _constraints(self, p: SamplingParams) -> list[Any]:
@@ -372,7 +405,7 @@ class Engine:
         t0 = time.perf_counter()
         emit = _Request.delta if deltas else _Request.snapshot
         # A constrained sequence needs the host between tokens: no multi-step runs then.
-        if self.config.num_scheduler_steps > 1 and not any(r.constraints for r in self._requests.values()):
+        if self.config.num_scheduler_steps > 1 and not any(r.constraints or r.beam for r in self._requests.values()):
             run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
             self.replicas[0].apply_page_ops()
             if run is not None:
@@ -399,12 +432,16 @@ class Engine:
             return []
         t1 = time.perf_counter()
         fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
+        for rep, _, batch, _ in fetched:
+            if batch.bucket.score:
+                from jaxinfer.engine.scoring import collect
+                collect(batch, rep.runner.fetch_scores(), self._prompt_logprob_sink)
         if self.publisher is not None:
             self.publisher.step_done()
         t2 = time.perf_counter()
         outs = []
         for rep, sched, batch, packed in fetched:
-            outs += map(emit, self._postprocess(rep, sched, batch.entries, packed))
+            outs += [emit(r) for r in self._postprocess(rep, sched, batch.entries, packed) if r.visible]
         t3 = time.perf_counter()
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -461,14 +498,17 @@ class Engine:
 
         n = batch.bucket.sample_rows
         params: list[SamplingParams | None] = [None] * n
-        seeds, steps = [0] * n, [0] * n
+        seeds, steps, prev = [0] * n, [0] * n, [0] * n
         for slot, e in batch.entries:
             req = self._requests[e.seq.request_id]
-            for j in range(1 + len(e.draft)):      # a draft's slots sample output tokens j ahead
+            last = e.seq.token_ids_slice(e.start_pos + e.num_new_tokens - 1 - len(e.draft),
+                                         e.start_pos + e.num_new_tokens - len(e.draft))
+            for j, fed in enumerate(last + list(e.draft)):   # a draft's slots sample output tokens j ahead
                 params[slot + j] = e.seq.params
                 seeds[slot + j] = req.seeds[e.seq.sample_index]
                 steps[slot + j] = e.seq.num_output_tokens + j
-        return S.sampling_tensors_from_params(params, seeds, steps, n)
+                prev[slot + j] = fed
+        return S.sampling_tensors_from_params(params, seeds, steps, n, prev)
 
     def _token_mask(self, batch) -> Callable[[], Any] | None:
         """The step's TokenMask builder for the runner (called while the device runs the
@@ -501,13 +541,22 @@ class Engine:
                                                sched, entries, res.token_ids)
             self.speculator.rollback(sched, rep.block_manager)
             return outs
-        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in entries if e.samples}
+        sampled = {e.seq.seq_id: None if search.holds(e.seq) else int(res.token_ids[slot])
+                   for slot, e in entries if e.samples}
         slot_of = {e.seq.seq_id: slot for slot, e in entries}
         grew = rep.scheduler.postprocess(sched, sampled)
+        touched: dict[str, _Request] = {}
+        for slot, e in entries:
+            req = self._requests.get(e.seq.request_id)
+            if e.samples and sampled[e.seq.seq_id] is None and req is not None and not e.seq.is_finished:
+                if search.after_step(req.beam, e.seq, slot, res, rep.scheduler.fork,
+                                     lambda s, why: self._finish(s, why, None)):
+                    touched[req.request_id] = req
+                if req.beam is not None:
+                    req.seqs = req.beam.beams
         self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
                                         if e.start_pos < e.seq.num_prompt_tokens)
         now = time.monotonic()
-        touched: dict[str, _Request] = {}
         for seq in grew:
             req = self._requests.get(seq.request_id)
             if req is None:
@@ -518,6 +567,7 @@ class Engine:
                 req.metrics.first_token_time = now
             tok = seq.output_token_ids[-1]
             slot = slot_of[seq.seq_id]
+            search.add_chosen_logprob(seq, res, slot)
             if req.logprobs is not None:
                 k = seq.params.logprobs or 0
                 req.logprobs[seq.sample_index].append(Logprob(tok, float(res.logprobs[slot]), tuple(
@@ -536,6 +586,7 @@ class Engine:
             if all(s.is_finished for s in req.seqs):
                 req.finished = True
                 req.metrics.finished_time = now
+                req.finalize(self.tokenizer)
                 del self._requests[req.request_id]
         return list(touched.values())
 
@@ -551,6 +602,10 @@ class Engine:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             d.finish()
             self._finish(seq, "length", None)
+
+    def _prompt_logprob_sink(self, seq: Sequence) -> list | None:
+        req = self._requests.get(seq.request_id)
+        return None if req is None else req.prompt_logprobs
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
         rep = self.replicas[self._requests[seq.request_id].replica]

@@ -152,7 +152,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                  slot_mapping=jnp.where(live, page * page_size + pos % page_size, arrays["slot_mapping"]),
                  reset_rows=arrays["reset_rows"] & (i == 0),
                  token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
-        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)))
+        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
+                                 prev_token=jnp.pad(tokens, (0, Sp - D)))     # the watermark's seed
         logits, kv = model_body(graphdef, state, kv, a, bucket=bucket, attention=attention, mm=mm,
                                 tp_axis=None)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))

@@ -134,6 +134,10 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
         seed[i] = (s >> 32, s & 0xFFFFFFFF)
         step[i] = steps[i]
         nlp[i] = -1 if p.logprobs is None else p.logprobs
+        if p.beam_width > 1:                 # the search ranks each beam's top candidates
+            nlp[i] = SamplingParams.MAX_LOGPROBS
+        elif p.best_of is not None and p.best_of > p.n:
+            nlp[i] = max(nlp[i], 0)          # ranked by cumulative logprob
         if p.watermark is not None:
             if prev_tokens is None:
                 raise ValueError("prev_tokens: watermarked rows need their previous token")

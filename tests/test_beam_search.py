@@ -100,3 +100,92 @@ def test_width_and_combinations_refused_clearly():
                       (dict(early_stopping="always"), "early_stopping")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             SamplingParams(**{"beam_width": 4, "temperature": 0, **kw})
+
+
+# ----------------------------------------------------------------------------- engine
+
+ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, num_pages=64, page_size=8,
+                 decode_buckets=(1, 4, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((1, 16),),
+                 page_buckets=(8,))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+    from test_hf_oracle import FAMILIES, build_family
+
+    path = str(tmp_path_factory.mktemp("beam-llama"))
+    hf = build_family(next(f for f in FAMILIES if f.name == "llama"), path)
+    return hf, Engine(loaded=load_model(path, "float32"), progress=False, **ENGINE_KW), path
+
+
+def engine_params(stop: list[int], width: int, lp: float, es) -> SamplingParams:
+    # the stop tokens are exactly HF's eos_token_id list
+    return SamplingParams(beam_width=width, n=width, temperature=0, max_tokens=MAX_NEW, length_penalty=lp,
+                          early_stopping=es, stop_token_ids=tuple(stop), ignore_eos=True)
+
+
+def compare(out, want) -> list[str]:
+    errs = []
+    if [o.token_ids for o in out.outputs] != [t for t, _ in want]:
+        errs.append(f"sequences {[o.token_ids for o in out.outputs]} != HF {[t for t, _ in want]}")
+    for o, (_, s) in zip(out.outputs, want):
+        if abs(o.beam_score - s) > 1e-4:
+            errs.append(f"score {o.beam_score} != HF {s}")
+    return errs
+
+
+def test_engine_matches_hf_alone_and_batched_no_leak(tiny_engine):
+    from test_prompt_logprobs import COMPILES
+
+    hf, eng, _ = tiny_engine
+    prompts = [PROMPT, [1, 7, 99, 150, 3, 42, 42, 250, 19]]
+    runs = []
+    for prompt in prompts:
+        greedy = hf_greedy(hf, prompt, 8)
+        for idx, width, lp, es, _ in CASES:
+            stop = [greedy[i] for i in idx]
+            runs.append((prompt, engine_params(stop, width, lp, es),
+                         hf_beams(hf, prompt, stop, width, lp, es, MAX_NEW, width)))
+    alone = [eng.generate([p], sp)[0] for p, sp, _ in runs]
+    errors = [f"{i}: {e}" for i, ((_, _, want), out) in enumerate(zip(runs, alone)) for e in compare(out, want)]
+    assert not errors, "\n".join(errors)
+    assert any(o.finish_reason == "stop" for out in alone for o in out.outputs)
+    COMPILES.active = True
+    try:
+        # every search at once (they wait for their reserved places) among plain requests
+        plain = SamplingParams(max_tokens=10, temperature=0.7, seed=5)
+        batched = eng.generate([p for p, _, _ in runs] + prompts, [sp for _, sp, _ in runs] + [plain] * 2)
+    finally:
+        COMPILES.active = False
+    assert COMPILES.count == 0
+    for a, b in zip(alone, batched):
+        assert [(o.token_ids, o.beam_score, o.cumulative_logprob) for o in a.outputs] == \
+               [(o.token_ids, o.beam_score, o.cumulative_logprob) for o in b.outputs]
+    bm = eng.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_usable_pages
+    assert eng.runner.page_mover.pages_copied > 0      # forks copied partial pages
+
+
+def test_engine_beam_search_survives_preemption(tiny_engine):
+    """A KV pool too small for all beams at once: beams are preempted and recomputed, and
+    the result is still HF's."""
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+
+    hf, _, path = tiny_engine
+    # 7 + 12 tokens (no stop token: every search runs to the length limit): up to 3 pages
+    # a beam, the first shared, so two searches need 18 of the 12 pages; forks find no
+    # free page for their copy and wait to recompute
+    small = Engine(loaded=load_model(path, "float32"), progress=False, **dict(ENGINE_KW, num_pages=13))
+    prompt = PROMPT + [90, 91]
+    stop: list[int] = []
+    want = hf_beams(hf, prompt, stop, 4, 1.0, False, MAX_NEW, 4)
+    outs = small.generate([prompt] * 3, engine_params(stop, 4, 1.0, False))
+    assert small.stats()["num_preemptions_total"] > 0
+    for out in outs:
+        assert not compare(out, want)
+    small.block_manager.check_invariants()
+    assert small.block_manager.num_free_pages == small.block_manager.num_usable_pages

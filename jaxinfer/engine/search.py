@@ -87,6 +87,22 @@ def beam_outputs(beam: BeamRequest, p: SamplingParams, tokenizer: Any,
     return outs
 
 
+def final_outputs(req: Any, tokenizer: Any) -> list[CompletionOutput] | None:
+    """A finished request's outputs when they are not its samples as they ran (a beam
+    search's hypotheses, the best n of best_of samples), else None."""
+    p = req.params
+    if req.beam is not None:
+        return beam_outputs(req.beam, p, tokenizer, req.prompt_token_ids)
+    if streams(p):
+        return None
+    outs = []
+    for i, j in enumerate(best_of_order(req.seqs, p.n)):
+        s, d = req.seqs[j], req.detoks[j]
+        outs.append(CompletionOutput(i, d.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
+                                     None if req.logprobs is None else list(req.logprobs[j]), s.cumulative_logprob))
+    return outs
+
+
 def best_of_order(seqs: list[Sequence], n: int) -> list[int]:
     """Indices of the ``n`` samples with the highest cumulative logprob (ties: lower index)."""
     return sorted(range(len(seqs)), key=lambda i: (-seqs[i].cumulative_logprob, i))[:n]

@@ -1,4 +1,4 @@
-"""Request fields and response shapes for scoring and search: prompt logprobs (OpenAI
+"""Request fields for scoring and search: prompt logprobs (OpenAI
 ``echo`` + ``logprobs``, vLLM's ``prompt_logprobs``, TGI's ``decoder_input_details``),
 ``best_of``, beam search (vLLM's ``use_beam_search`` with ``length_penalty`` /
 ``early_stopping``; ``num_beams`` on TGI's parameters) and the watermark (TGI's
@@ -6,29 +6,30 @@
 
 Each parser returns ``SamplingParams`` keywords (only those that are set); the engine
 validates the combinations (config.SamplingParams), and its messages come back as 400 /
-422 naming the field.
+422 naming the field. The responses' shapes are serving/scoring_response.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-from jaxinfer.config import Logprob, RequestOutput, SamplingParams
-from serving.protocol import Fields, Limits, _lp, _type_name, bad
+from jaxinfer.config import SamplingParams
+from serving.errors import bad
+from serving.fields import Fields, Limits, type_name
 
 _SEARCH_ONLY = ("length_penalty", "early_stopping")
 
 
 def openai_search(f: Fields, limits: Limits, *, n: int, echo: bool, logprobs: int | None,
                   stream: bool) -> dict[str, Any]:
-    """/v1/completions: prompt logprobs, best_of, beam search, watermark."""
+    """/v1/completions: prompt logprobs, best_of, beam search."""
     out: dict[str, Any] = {}
-    plp = f.int("prompt_logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
+    plp = f.int("prompt_logprobs", None, bound=SamplingParams.BOUNDS["prompt_logprobs"])
     if echo and logprobs is not None:          # OpenAI: the echoed prompt carries logprobs too
         plp = max(plp or 0, logprobs)
     if plp is not None:
         out["prompt_logprobs"] = plp
-    best_of = f.int("best_of", None, lo=1)
+    best_of = f.int("best_of", None, bound=SamplingParams.BOUNDS["best_of"])
     if best_of is not None and best_of > limits.max_n:
         raise bad("best_of", f"must be <= {limits.max_n} on this server, got {best_of}")
     if f.bool("use_beam_search", False):
@@ -50,9 +51,6 @@ def openai_search(f: Fields, limits: Limits, *, n: int, echo: bool, logprobs: in
                 raise bad("best_of", "streaming is not supported with best_of > n", code="unsupported")
             if best_of > n:
                 out["best_of"] = best_of
-    wm = watermark(f)
-    if wm is not None:
-        out["watermark"] = wm
     return out
 
 
@@ -85,7 +83,7 @@ def early_stopping(f: Fields) -> bool | str:
         return False
     if isinstance(v, bool) or v == "never":
         return v
-    raise bad(f.name("early_stopping"), f'must be true, false or "never", got {_type_name(v)}')
+    raise bad(f.name("early_stopping"), f'must be true, false or "never", got {type_name(v)}')
 
 
 def watermark(f: Fields) -> Any:
@@ -101,66 +99,4 @@ def watermark(f: Fields) -> Any:
         if unknown:
             raise bad(w.name(sorted(unknown)[0]), "unknown field (gamma, delta)")
         return {k: w.num(k) for k in ("gamma", "delta") if v.get(k) is not None}
-    raise bad(f.name("watermark"), f"must be a boolean or an object with gamma and delta, got {_type_name(v)}")
-
-
-# ------------------------------------------------------------------ responses
-
-def echo_logprobs(out: RequestOutput, k: int, texts: Any) -> tuple[dict, int]:
-    """OpenAI completions ``logprobs`` of the echoed prompt (the first token has none:
-    null, as OpenAI and vLLM answer); returns it and the text offset after it."""
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    for tid, lp in zip(out.prompt_token_ids, _prompt_entries(out)):
-        t = texts(tid)
-        tokens.append(t)
-        offsets.append(offset)
-        offset += len(t)
-        if lp is None:
-            token_lps.append(None)
-            tops.append(None)
-            continue
-        token_lps.append(_lp(lp.logprob))
-        top = {texts(i): _lp(v) for i, v in lp.top[:k]}
-        top.setdefault(t, _lp(lp.logprob))
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
-
-
-def join_logprobs(a: dict, b: dict | None) -> dict:
-    """Two completions ``logprobs`` objects, one after the other."""
-    return a if b is None else {k: a[k] + b[k] for k in a}
-
-
-def vllm_prompt_logprobs(out: RequestOutput, texts: Any) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
-    {"logprob", "rank", "decoded_token"}} for the token and its top alternatives (rank
-    1-based among the alternatives; null for a token outside them)."""
-    res: list[dict | None] = []
-    for tid, lp in zip(out.prompt_token_ids, _prompt_entries(out)):
-        if lp is None:
-            res.append(None)
-            continue
-        d = {str(i): {"logprob": _lp(v), "rank": r + 1, "decoded_token": texts(i)}
-             for r, (i, v) in enumerate(lp.top)}
-        rank = next((r + 1 for r, (i, _) in enumerate(lp.top) if i == tid), None)
-        d.setdefault(str(tid), {"logprob": _lp(lp.logprob), "rank": rank, "decoded_token": texts(tid)})
-        res.append(d)
-    return res
-
-
-def tgi_prefill(out: RequestOutput, texts: Any) -> list[dict]:
-    """TGI ``details.prefill``: the prompt tokens with their logprobs (null for the first)."""
-    return [{"id": tid, "text": texts(tid), "logprob": None if lp is None else _lp(lp.logprob)}
-            for tid, lp in zip(out.prompt_token_ids, _prompt_entries(out))]
-
-
-def search_fields(o: Any) -> dict[str, float]:
-    """A choice's cumulative logprob / beam score, where the engine reports them."""
-    return {k: getattr(o, k) for k in ("cumulative_logprob", "beam_score") if getattr(o, k, None) is not None}
-
-
-def _prompt_entries(out: RequestOutput) -> Sequence[Logprob | None]:
-    lps = out.prompt_logprobs
-    if lps is None or len(lps) != len(out.prompt_token_ids):
-        raise RuntimeError("prompt logprobs were asked for but the engine returned none")
-    return lps
+    raise bad(f.name("watermark"), f"must be a boolean or an object with gamma and delta, got {type_name(v)}")

@@ -36,7 +36,10 @@ def openai_search(f: Fields, limits: Limits, *, n: int, echo: bool, logprobs: in
         if stream:
             raise bad("use_beam_search", "beam search cannot stream (the beams change until the end)",
                       code="unsupported")
-        out.update(beam_width=best_of or n, length_penalty=f.num("length_penalty", 1.0),
+        width = best_of or n
+        if width < 2:
+            raise bad("best_of", "use_beam_search needs a beam width: best_of (or n) of at least 2")
+        out.update(beam_width=width, length_penalty=f.num("length_penalty", 1.0),
                    early_stopping=early_stopping(f))
         if f.get("temperature") is None:
             out["temperature"] = 0.0           # beam search is deterministic (vLLM asks for 0)

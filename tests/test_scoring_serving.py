@@ -93,10 +93,13 @@ def test_tgi_decoder_input_details_and_watermark(server):
     r = post(server, "/generate", {"inputs": "Hello there", "parameters": {
         "watermark": True, "max_new_tokens": 8, "do_sample": True, "seed": 3}})
     assert r.status_code == 200, r.text
-    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 24, "temperature": 1.0, "seed": 4,
-                                         "ignore_eos": True, "watermark": {"delta": 60.0}, "logprobs": 0})
-    toks = [ids[-1]] + [server.engine.tokenizer.encode(t, add_special_tokens=False)[0]
-                        for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    body = {"prompt": ids, "max_tokens": 24, "temperature": 1.0, "seed": 4, "ignore_eos": True}
+    r = post(server, "/v1/completions", dict(body, watermark={"delta": 60.0}))
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    out = server.engine.generate([ids], SamplingParams(max_tokens=24, seed=4, ignore_eos=True,
+                                                       watermark={"delta": 60.0}))[0].outputs[0]
+    assert r.json()["choices"][0]["text"] == out.text != plain
+    toks = [ids[-1]] + out.token_ids
     assert W.is_green(toks[:-1], toks[1:]).all()
 
 
@@ -120,7 +123,8 @@ def test_beam_search_and_best_of_over_http(server):
 
 @pytest.mark.parametrize("route, body, field", [
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "temperature": 0.7}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "temperature": 0.7}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "best_of"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 3, "stop": ["a"]}, "stop"),
     ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),

@@ -158,7 +158,7 @@ def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path):
     common = dict(tasks=[MC_TASK, GEN_TASK], task_manager=tasks, log_samples=True, batch_size=1)
     ours = lm_eval.simple_evaluate(
         model="local-completions", model_args=dict(
-            model="tiny", base_url=server.url + "/v1/completions", tokenizer=server.path,
+            model=server.engine.model_name, base_url=server.url + "/v1/completions", tokenizer=server.path,
             tokenizer_backend="huggingface", max_length=256, num_concurrent=1, max_retries=1), **common)
     hf = lm_eval.simple_evaluate(model="hf", model_args=dict(pretrained=server.path, dtype="float32",
                                                              device="cpu"), **common)

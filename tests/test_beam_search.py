@@ -137,7 +137,7 @@ def compare(out, want) -> list[str]:
 
 
 def test_engine_matches_hf_alone_and_batched_no_leak(tiny_engine):
-    from test_prompt_logprobs import COMPILES
+    from test_engine import COMPILES
 
     hf, eng, _ = tiny_engine
     prompts = [PROMPT, [1, 7, 99, 150, 3, 42, 42, 250, 19]]

@@ -9,7 +9,6 @@ warm and no page left held.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
+from test_engine import COMPILES  # noqa: E402
 from test_hf_oracle import FAMILIES, build_family  # noqa: E402
 
 ATOL = 1e-4
@@ -27,21 +27,6 @@ ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128, n
                  page_size=8, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                  prefill_buckets=((1, 8), (4, 8)), page_buckets=(16,), enable_prompt_logprobs=True)
 TINY_FAMILIES = [f for f in FAMILIES if f.name in ("llama", "gpt2")]
-
-
-class Compiles:
-    """XLA backend compiles (jax.monitoring) while active."""
-
-    def __init__(self) -> None:
-        self.count, self.active = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._on)
-
-    def _on(self, name, secs, **kw):
-        if self.active and name == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-COMPILES = Compiles()
 
 
 def hf_prompt_logprobs(model, ids: list[int]) -> np.ndarray:

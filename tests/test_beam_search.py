@@ -189,3 +189,31 @@ def test_engine_beam_search_survives_preemption(tiny_engine):
         assert not compare(out, want)
     small.block_manager.check_invariants()
     assert small.block_manager.num_free_pages == small.block_manager.num_usable_pages
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf_alone_and_batched():
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+    from test_default_model import hf_default_model
+
+    loaded = load_model(None, "float32")
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Name three colors.")]
+    eng = Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                 num_pages=48, page_buckets=(16,), decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
+                 prefill_buckets=((1, 64),))
+    hf = hf_default_model()
+    stop = list(eng.eos_token_ids)
+    cases = [(4, 1.0, True), (4, 0.8, False)]
+    runs = [(p, SamplingParams(beam_width=w, n=w, temperature=0, max_tokens=16, length_penalty=lp,
+                               early_stopping=es, stop_token_ids=tuple(stop), ignore_eos=True),
+             hf_beams(hf, p, stop, w, lp, es, 16, w)) for p in prompts for w, lp, es in cases]
+    alone = [eng.generate([p], sp)[0] for p, sp, _ in runs]
+    errors = [f"{i}: {e}" for i, ((_, _, want), out) in enumerate(zip(runs, alone)) for e in compare(out, want)]
+    assert not errors, "\n".join(errors)
+    batched = eng.generate([p for p, _, _ in runs], [sp for _, sp, _ in runs])
+    for a, b in zip(alone, batched):
+        assert [(o.token_ids, o.beam_score) for o in a.outputs] == [(o.token_ids, o.beam_score) for o in b.outputs]
+    assert eng.block_manager.num_free_pages == eng.block_manager.num_usable_pages

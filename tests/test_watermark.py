@@ -113,3 +113,32 @@ def test_sampler_adds_delta_on_green_list_only():
     assert float(out.logprobs[3]) == pytest.approx(logits[3, tok[3]] - lse, abs=1e-5)
     with pytest.raises(ValueError, match="prev_tokens"):
         S.sampling_tensors_from_params([ps[0]], [0], [0], 1)
+
+
+def test_engine_watermarks_every_step_and_multi_step_runs(tmp_path):
+    """Through the engine: with a delta no logit gap survives, every sampled token is on the
+    green list of the token before it, in single steps and in multi-step decode runs (where
+    the previous token is fed on the device); an unwatermarked neighbour is unchanged."""
+    pytest.importorskip("transformers")
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+    from test_hf_oracle import FAMILIES, build_family
+
+    build_family(next(f for f in FAMILIES if f.name == "llama"), str(tmp_path))
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
+              page_buckets=(8,), decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),))
+    prompts = [[1, 5, 9, 33], [1, 70, 71]]
+    wm = SP(max_tokens=20, seed=1, ignore_eos=True, watermark={"delta": 60.0})
+    plain = SP(max_tokens=20, seed=2, ignore_eos=True)
+    outs = {}
+    for steps in (1, 4):
+        eng = Engine(loaded=load_model(str(tmp_path), "float32"), progress=False, num_scheduler_steps=steps, **kw)
+        runs, multi = [], eng.runner.dispatch_multi
+        eng.runner.dispatch_multi = lambda *a: runs.append(a[-1]) or multi(*a)
+        outs[steps] = eng.generate(prompts, [wm, plain])
+        assert bool(runs) == (steps > 1)            # multi-step runs did happen
+    for steps, (a, b) in outs.items():
+        toks = [prompts[0][-1]] + a.outputs[0].token_ids
+        assert W.is_green(toks[:-1], toks[1:]).all(), steps
+    assert outs[1][0].outputs[0].token_ids == outs[4][0].outputs[0].token_ids
+    assert outs[1][1].outputs[0].token_ids == outs[4][1].outputs[0].token_ids

@@ -111,9 +111,7 @@ def test_cache_hits_are_recomputed_and_siblings_share(tiny):
     assert len(two.outputs) == 2
 
 
-def test_refused_without_scoring_buckets(tiny):
-    hf, _ = tiny
-    # a model-less check of the engine's refusal would need an engine: use the ladder's
+def test_refused_without_scoring_buckets():
     from jaxinfer.engine.batch import BucketLadders
     lad = BucketLadders((1,), (0,), ((1, 8),), (4,))
     with pytest.raises(ValueError, match="prompt_logprobs"):

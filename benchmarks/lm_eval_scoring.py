@@ -38,7 +38,7 @@ def served(url: str | None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--port", str(port),
                              "--enable-prompt-logprobs", "--max-model-len", "1024"], cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:

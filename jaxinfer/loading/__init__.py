@@ -42,17 +42,26 @@ def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
     flat: dict[str, np.ndarray] = {}
     for path, spec in weight_specs(cfg).items():
+        if spec.hf_experts:      # one tensor per expert, stacked
+            flat[path] = np.stack([_hf_tensor(spec, tensors, spec.hf_name.format(e=e), spec.shape[1:])
+                                   for e in range(spec.hf_experts)])
+            continue
         name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
-        if name not in tensors:
-            raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
-        t = tensors[name]
-        if spec.hf_take is not None:
-            t = spec.hf_take(t)
-        want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
-        if tuple(t.shape) != want:
-            raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")
-        flat[path] = t.T if spec.transpose else t
+        flat[path] = _hf_tensor(spec, tensors, name, spec.shape)
     return flat
+
+
+def _hf_tensor(spec: Any, tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor ``name`` in our layout of ``shape`` (spec: its WeightSpec)."""
+    if name not in tensors:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    t = tensors[name]
+    if spec.hf_take is not None:
+        t = spec.hf_take(t)
+    want = (*shape[:-2], shape[-1], shape[-2]) if spec.transpose else shape
+    if tuple(t.shape) != want:
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+    return np.swapaxes(t, -1, -2) if spec.transpose else t
 
 
 def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None

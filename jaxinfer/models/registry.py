@@ -12,10 +12,15 @@ from jaxinfer.models.gemma3 import Gemma3ForCausalLM
 from jaxinfer.models.gpt import GptForCausalLM
 from jaxinfer.models.gpt_config import GPT_FAMILY
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.mixtral import MixtralForCausalLM
+from jaxinfer.models.moe_config import MOE_FAMILY
+from jaxinfer.models.phi3 import Phi3ForCausalLM
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
 _REGISTRY.update({name: GptForCausalLM for name in GPT_FAMILY})
 _REGISTRY["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+_REGISTRY["Phi3ForCausalLM"] = Phi3ForCausalLM
+_REGISTRY.update({name: MixtralForCausalLM for name in MOE_FAMILY})
 
 
 def register(name: str, cls: type) -> None:

@@ -358,8 +358,23 @@ class SamplingParams:
     # Prefix caching (vLLM's cache_salt): requests share cached KV pages only with requests
     # of the same salt, so tenants who must not see each other's timing don't share.
     cache_salt: str | None = None
+    # Scoring and search (engine/scoring.py, engine/beam.py, engine/watermark.py):
+    # prompt_logprobs=k: every prompt token's logprob and the top k alternatives (vLLM);
+    # with it max_tokens may be 0 (score the prompt, generate nothing). best_of: sample
+    # that many, return the n with the highest cumulative logprob. beam_width > 1: beam
+    # search (HF generate's num_beams), its n best hypotheses returned, ranked by
+    # cumulative logprob / generated_length ** length_penalty; early_stopping True /
+    # False / "never" as in HF. watermark: True, {"gamma": g, "delta": d} or a
+    # watermark.Watermark.
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    watermark: Any = None
 
     MAX_LOGPROBS = 20
+    MAX_BEAM_WIDTH = 10        # 2 * width candidates per beam must fit the top-MAX_LOGPROBS
     MAX_CACHE_SALT_CHARS = 1024
     # The numeric fields' ranges (Bound); min_tokens is also capped by max_tokens.
     BOUNDS = {
@@ -368,7 +383,10 @@ class SamplingParams:
         "min_p": Bound(False, 0, 1), "repetition_penalty": Bound(False, 0, lo_open=True),
         "presence_penalty": Bound(False, -2, 2), "frequency_penalty": Bound(False, -2, 2),
         "logprobs": Bound(True, 0, MAX_LOGPROBS), "min_tokens": Bound(True, 0),
+        "prompt_logprobs": Bound(True, 0, MAX_LOGPROBS), "best_of": Bound(True, 1),
+        "beam_width": Bound(True, 1, MAX_BEAM_WIDTH, note="1: no beam search"), "length_penalty": Bound(False),
     }
+    _OPTIONAL = ("logprobs", "prompt_logprobs", "best_of")     # None: off
 
     def __post_init__(self) -> None:
         # Accept lists / single strings for convenience but store tuples (hashable, frozen).
@@ -380,7 +398,9 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for name, bound in self.BOUNDS.items():
             v = getattr(self, name)
-            if not (name == "logprobs" and v is None):
+            if name == "max_tokens" and v == 0 and self.prompt_logprobs is not None:
+                continue                     # scoring only: the prompt's logprobs, no output
+            if not (name in self._OPTIONAL and v is None):
                 _require(bound.ok(v), name, f"must be {bound.text()}, got {v!r:.80}")
         _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                  "seed", f"must be an integer or None, got {self.seed!r}")
@@ -393,6 +413,40 @@ class SamplingParams:
                  f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters or None, "
                  f"got {self.cache_salt!r:.80}")
         self._check_constraints()
+        self._check_search()
+
+    def _check_search(self) -> None:
+        """prompt_logprobs, best_of, beam search, watermark, and the combinations not served."""
+        from jaxinfer.engine.watermark import Watermark
+
+        object.__setattr__(self, "watermark", Watermark.parse(self.watermark))
+        if self.max_tokens == 0:
+            _require(self.n == 1 and self.best_of is None and self.beam_width == 1, "max_tokens",
+                     "0 (score the prompt only) takes n=1, no best_of and no beam search")
+        if self.best_of is not None:
+            _require(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
+            _require(self.best_of == 1 or self.temperature > 0, "best_of",
+                     "must be 1 with greedy sampling (temperature 0): every sample would be the same")
+        _require(self.early_stopping in (True, False, "never"), "early_stopping",
+                 f"must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.beam_width > 1:
+            self._check_beam()
+
+    def _check_beam(self) -> None:
+        """Beam search is deterministic (HF's num_beams without do_sample) over the raw
+        log-probabilities: options that would change them or need sampling are refused."""
+        _require(self.n <= self.beam_width, "n", f"must be <= beam_width={self.beam_width} with beam search, "
+                 f"got {self.n}")
+        _require(self.temperature == 0, "temperature", "must be 0 with beam search (it is deterministic)")
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            _require(getattr(self, name) in (off, -1 if name == "top_k" else off), name,
+                     "is not supported with beam search")
+        for name in ("best_of", "logprobs", "watermark"):
+            _require(getattr(self, name) is None, name, "is not supported with beam search")
+        _require(not self.stop, "stop", "stop strings are not supported with beam search (stop_token_ids are)")
+        _require(not self.constrained, "guided", "guided decoding, logit_bias, min_tokens and bad_words are "
+                 "not supported with beam search")
 
     def _check_constraints(self) -> None:
         from jaxinfer.engine import guided as G
@@ -445,6 +499,10 @@ class CompletionOutput:
     finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
     stop_reason: str | int | None = None      # the stop string or token id that ended it
     logprobs: list[Logprob] | None = None
+    # Sum of the chosen tokens' logprobs (best_of and beam search; else None). Beam
+    # search also reports HF's sequence score: cumulative_logprob / length ** length_penalty.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclass(slots=True)
@@ -467,6 +525,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context); filled once the prompt is computed.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxinfer/xla"
@@ -551,6 +612,10 @@ class EngineConfig:
     # any other when a step first needs it (one-shot runs: `jaxinfer generate`). Once warm
     # (all compiled, never for "lazy") no step compiles.
     warmup: str | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs, OpenAI echo + logprobs): every
+    # prefill bucket gets a scoring twin that also computes all positions' logits
+    # (engine/scoring.py), compiled after the others; off, such requests are refused.
+    enable_prompt_logprobs: bool = False
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape

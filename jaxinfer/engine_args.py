@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-cache-memory", type=int, default=None, metavar="BYTES",
                    help="host RAM for prefix-cache pages evicted from the device (0 = off; "
                         "default: off on CPU, 10%% of RAM on accelerators)")
+    p.add_argument("--enable-prompt-logprobs", action="store_true",
+                   help="compile scoring twins of the prefill step shapes, so requests may ask for "
+                        "prompt logprobs (OpenAI echo + logprobs, vLLM prompt_logprobs, TGI "
+                        "decoder_input_details; what lm_eval's loglikelihood tasks send)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
@@ -135,7 +139,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        **speculative_options(args))
+        enable_prompt_logprobs=args.enable_prompt_logprobs, **speculative_options(args))
 
 
 def speculative_options(args: argparse.Namespace) -> dict:

@@ -8,7 +8,7 @@ Routes:
   GET / and /static/* (the chat page, serving/web/)
 
 Every generation request follows one path: read the body (size-capped), parse and
-validate it into a ``GenRequest`` (serving/protocol.py), then drive
+validate it into a ``GenRequest`` (serving/openai_request.py, tgi_request.py), then drive
 ``engine.generate``. The first output is awaited before any response header is sent, so
 errors the engine raises up front (bad input, queue full) still become clean 4xx / 503
 answers, streaming or not. While the engine works, the client's connection is watched

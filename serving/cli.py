@@ -1,4 +1,4 @@
-"""``jaxinfer`` command line: generate, convert, serve, bench.
+"""``jaxinfer`` command line: generate, convert, serve, bench, watermark-detect.
 
 The outermost front door, so it lives with the server it starts (serving -> jaxinfer).
 
@@ -117,6 +117,31 @@ def _serve_max_seqs() -> int:
     return DEFAULT_SERVE_MAX_SEQS
 
 
+def cmd_watermark_detect(args: argparse.Namespace) -> int:
+    """Kirchenbauer et al.'s z-test on a text (jaxinfer/engine/watermark.py): the z-score
+    and p-value on stdout (JSON with --json)."""
+    import json
+
+    from jaxinfer.engine.watermark import detect_text
+    from jaxinfer.loading import load_tokenizer
+
+    if args.text is not None and args.file is not None:
+        raise ValueError("text: give it as an argument or with --file, not both")
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = args.text if args.text is not None else sys.stdin.read()
+    d = detect_text(text, load_tokenizer(args.model), args.gamma,
+                    ignore_repeated_bigrams=not args.count_repeated_bigrams)
+    if args.json:
+        print(json.dumps(d.as_dict()))
+    else:
+        print(f"z-score {d.z_score:.3f}  p-value {d.p_value:.3g}  "
+              f"({d.num_green} of {d.num_scored} scored tokens green, gamma {args.gamma})")
+    return 0
+
+
 def _bench_app(engine: Any) -> Any:
     """``jaxinfer bench serve`` without --base-url: this server's app over ``engine``."""
     from jaxinfer.engine.async_engine import AsyncEngine
@@ -150,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:   # serving extras missing: the subcommand explains at run time
         pass
     s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("watermark-detect", help="z-score and p-value of a text for the watermark "
+                                                "(`watermark: true` requests)")
+    w.add_argument("text", nargs="?", default=None, help="the text (default: stdin)")
+    w.add_argument("--file", default=None, help="read the text from this file")
+    add_model_args(w)
+    w.add_argument("--gamma", type=float, default=0.5, help="the green-list fraction it was generated with")
+    w.add_argument("--count-repeated-bigrams", action="store_true",
+                   help="score every token, not each (previous, token) pair once")
+    w.add_argument("--json", action="store_true", help="print the result as JSON")
+    w.set_defaults(func=cmd_watermark_detect)
 
     from jaxinfer.bench.cli import add_bench_parser
 

@@ -11,6 +11,7 @@ from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, chec
                             Limits, is_int, short, type_name)
 from serving import tools as T
 from serving.guided_protocol import openai_constraints
+from serving.scoring_request import openai_search, watermark
 from serving.request import (GenRequest, check_model, decode_ids, encode_text,
                              resolve_max_tokens, sampling_params)
 
@@ -24,8 +25,8 @@ def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
     n = f.int("n", 1, bound=SamplingParams.BOUNDS["n"])
     if n > limits.max_n:
         raise bad("n", f"must be <= {limits.max_n} on this server, got {n}")
-    f.reject_if_set("use_beam_search", "beam search")
-    return dict(openai_constraints(f, limits),
+    wm = watermark(f)
+    return dict(openai_constraints(f, limits), **({} if wm is None else {"watermark": wm}),
         n=n,
         temperature=f.num("temperature", 1.0),
         top_p=f.num("top_p", 1.0),
@@ -60,23 +61,22 @@ def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenR
     f = Fields(body)
     model = check_model(f, limits)
     f.reject_if_set("suffix", "suffix / insertion", allowed=("",))
-    best_of = f.int("best_of", None, lo=1)
     stream, include_usage = _stream_flags(f)
     echo = f.bool("echo", False)
     logprobs = f.int("logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])
-    if echo and logprobs is not None:
-        raise bad("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)",
-                  code="unsupported")
     sampling = _common_sampling(f, limits)
-    if best_of is not None and best_of != sampling["n"]:
-        raise bad("best_of", "best_of other than n is not supported", code="unsupported")
-    max_tokens = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"])
+    sampling.update(openai_search(f, limits, n=sampling["n"], echo=echo, logprobs=logprobs, stream=stream))
+    # scoring (echo + logprobs, prompt_logprobs): max_tokens 0 scores the prompt only
+    scoring = "prompt_logprobs" in sampling
+    max_tokens = f.int("max_tokens", None, lo=0) if scoring else \
+        f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"])
     prompt_ids, prompt_text = _completion_prompt(body, limits, tokenizer)
-    sampling["max_tokens"] = resolve_max_tokens(max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                                                 len(prompt_ids), limits, "max_tokens", "prompt")
-    params = sampling_params({}, logprobs=logprobs, **sampling)
+    sampling["max_tokens"] = 0 if max_tokens == 0 else resolve_max_tokens(
+        max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids), limits, "max_tokens", "prompt")
+    params = sampling_params({"beam_width": "best_of"}, logprobs=logprobs, **sampling)
     return GenRequest("completion", model, prompt_ids, prompt_text, params, stream=stream,
-                      include_usage=include_usage, echo=echo, top_logprobs=logprobs)
+                      include_usage=include_usage, echo=echo, top_logprobs=logprobs,
+                      prompt_logprobs=f.get("prompt_logprobs") is not None)
 
 
 def _completion_prompt(body: dict, limits: Limits, tokenizer: Any) -> tuple[list[int], str]:
@@ -117,6 +117,7 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise bad("modalities", "only [\"text\"] is supported", code="unsupported")
+    f.reject_if_set("use_beam_search", "beam search on chat completions (use /v1/completions)")
     stream, include_usage = _stream_flags(f)
     want = f.bool("logprobs", False)
     top = f.int("top_logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])

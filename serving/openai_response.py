@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from jaxinfer.config import Logprob, RequestOutput
+from serving import scoring_response as SR
 from serving.request import GenRequest
 from serving.tools import parse_tool_calls, stream_tool_deltas
 from serving.stream import Delta, DeltaTracker
@@ -61,8 +62,12 @@ def completion_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) 
         lp = None
         if req.top_logprobs is not None and o.logprobs is not None:
             lp, _ = completion_logprobs(o.logprobs, req.top_logprobs, texts, len(prefix))
+        if req.echo and req.top_logprobs is not None:     # the echoed prompt's logprobs first
+            lp = SR.join_logprobs(SR.echo_logprobs(out, req.top_logprobs, texts)[0], lp)
         choices.append({"index": o.index, "text": prefix + o.text, "logprobs": lp,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, **SR.search_fields(o)})
+        if req.prompt_logprobs:
+            choices[-1]["prompt_logprobs"] = SR.vllm_prompt_logprobs(out, texts)
     return {"id": completion_id(req), "object": "text_completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": output_usage(req, out)}
 
@@ -109,10 +114,10 @@ class OpenAIStreamer:
             if self.req.kind == "chat":
                 res.extend(self._chat_chunks(d))
             else:
-                res.append(self._completion_chunk(d))
+                res.append(self._completion_chunk(d, out))
         return res
 
-    def _completion_chunk(self, d: Delta) -> dict:
+    def _completion_chunk(self, d: Delta, out: RequestOutput) -> dict:
         text = (self.req.prompt_text if self.req.echo and d.first else "") + d.text
         lp = None
         if self.req.top_logprobs is not None and d.logprobs is not None:
@@ -120,8 +125,13 @@ class OpenAIStreamer:
                 self.offsets[d.index] = len(self.req.prompt_text)
             lp, self.offsets[d.index] = completion_logprobs(d.logprobs, self.req.top_logprobs,
                                                             self.texts, self.offsets[d.index])
-        return self._chunk([{"index": d.index, "text": text, "logprobs": lp,
-                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        if d.first and self.req.echo and self.req.top_logprobs is not None:
+            lp = SR.join_logprobs(SR.echo_logprobs(out, self.req.top_logprobs, self.texts)[0], lp)
+        choice = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        if d.first and self.req.prompt_logprobs:
+            choice["prompt_logprobs"] = SR.vllm_prompt_logprobs(out, self.texts)
+        return self._chunk([choice])
 
     def _chat_chunks(self, d: Delta) -> list[dict]:
         res = []

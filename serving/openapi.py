@@ -19,7 +19,9 @@ _SAMPLING = dict(
     stream=_BOOL, stream_options={"type": "object", "properties": {"include_usage": _BOOL}},
     model=_STR,
     cache_salt={**_STR, "minLength": 1, "maxLength": SamplingParams.MAX_CACHE_SALT_CHARS},
+    watermark={"oneOf": [_BOOL, {"type": "object", "properties": {"gamma": _NUM, "delta": _NUM}}]},
 )
+_EARLY = {"oneOf": [_BOOL, {"const": "never"}]}
 
 
 def openapi_schema() -> dict:
@@ -38,7 +40,8 @@ def openapi_schema() -> dict:
     completion = {"type": "object", "required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
                                           {"type": "array", "items": {**_INT, "minimum": 0}}]},
-        "echo": _BOOL, "logprobs": _B["logprobs"]}}
+        "echo": _BOOL, "logprobs": _B["logprobs"], "prompt_logprobs": _B["prompt_logprobs"],
+        "best_of": _B["best_of"], "use_beam_search": _BOOL, "length_penalty": _NUM, "early_stopping": _EARLY}}
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": _STR}}
     message = {"type": "object", "required": ["role"], "properties": {
@@ -56,7 +59,8 @@ def openapi_schema() -> dict:
             top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1}, top_k={**_INT, "minimum": 1},
             repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
             seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
-            return_full_text=_BOOL, top_n_tokens=_B["logprobs"])}}}
+            return_full_text=_BOOL, top_n_tokens=_B["logprobs"], watermark=_BOOL, decoder_input_details=_BOOL,
+            num_beams=_B["beam_width"], length_penalty=_NUM, early_stopping=_EARLY)}}}
     get = {"get": {"responses": {"200": ok_json}}}
     return {
         "openapi": "3.1.0",

@@ -29,6 +29,7 @@ class GenRequest:
     top_logprobs: int | None = None   # None: no logprobs in the response; k: chosen + top k
     tgi_details: bool = False
     return_full_text: bool = False
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))

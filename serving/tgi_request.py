@@ -10,6 +10,7 @@ from serving.errors import ProtocolError, bad
 from serving.fields import SEED_MAX, Fields, Limits, type_name
 from serving.guided_protocol import tgi_grammar
 from serving.request import GenRequest, encode_text, resolve_max_tokens, sampling_params
+from serving.scoring_request import tgi_search
 
 
 DEFAULT_TGI_MAX_NEW_TOKENS = 100      # TGI's default
@@ -36,9 +37,7 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     if raw is not None and not isinstance(raw, dict):
         raise bad("parameters", f"must be an object, got {type_name(raw)}")
     f = Fields(raw or {}, "parameters.")
-    for key, why in (("decoder_input_details", "prompt logprobs are not computed"),
-                     ("watermark", "watermarking"),
-                     ("adapter_id", "adapters"), ("truncate", "input truncation"),
+    for key, why in (("adapter_id", "adapters"), ("truncate", "input truncation"),
                      ("typical_p", "typical sampling")):
         f.reject_if_set(key, why)
     f.int("best_of", None, lo=1, hi=1)
@@ -62,9 +61,11 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
                                                "frequency_penalty", "seed", "stop")}
     aliases["max_tokens"] = "parameters.max_new_tokens"
     aliases["logprobs"] = "parameters.top_n_tokens"
+    aliases["beam_width"] = "parameters.num_beams"
     params = sampling_params(
         aliases,
         **tgi_grammar(f),
+        **tgi_search(f, limits, stream=stream, details=details),
         max_tokens=max_new,
         temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
         top_p=top_p if top_p is not None else 1.0,

@@ -6,6 +6,7 @@ from typing import Any
 
 from jaxinfer.config import CompletionOutput, Logprob, RequestOutput
 from serving.request import GenRequest
+from serving.scoring_response import tgi_prefill
 from serving.stream import DeltaTracker
 from serving.token_texts import TokenTexts, finite
 
@@ -37,8 +38,9 @@ def tgi_response(req: GenRequest, out: RequestOutput, texts: TokenTexts, special
         lps = o.logprobs or []
         tokens = [_tgi_token(t, texts(t), lps[j] if j < len(lps) else None, special)
                   for j, t in enumerate(o.token_ids)]
+        prefill = [] if req.params.prompt_logprobs is None else tgi_prefill(out, texts)
         details: dict[str, Any] = {"finish_reason": tgi_finish_reason(o), "generated_tokens": len(o.token_ids),
-                                   "seed": req.params.seed, "prefill": [], "tokens": tokens}
+                                   "seed": req.params.seed, "prefill": prefill, "tokens": tokens}
         if req.top_logprobs:
             details["top_tokens"] = [_tgi_top(lps[j] if j < len(lps) else None, req.top_logprobs,
                                               texts, special) for j in range(len(o.token_ids))]

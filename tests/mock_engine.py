@@ -272,6 +272,12 @@ class MockAsyncEngine:
                              f"exceed max_model_len {self.max_model_len}")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs {self.max_num_seqs}")
+        if params.prompt_logprobs is not None:      # as an engine without --enable-prompt-logprobs
+            raise ValueError("prompt_logprobs: this engine has no scoring buckets")
+        if params.beam_width > 1:
+            raise ValueError("beam_width: beam search is not modelled by the mock engine")
+        if (params.best_of or params.n) > params.n:
+            raise ValueError("best_of: best_of > n is not modelled by the mock engine")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if len(self._waiting) >= self.max_waiting:

@@ -103,7 +103,8 @@ CASES = [
     ("seed-too-big", CMPL, cmpl(seed=2 ** 70), 400, "seed"),
     ("logprobs-too-many", CMPL, cmpl(logprobs=100), 400, "logprobs"),
     ("logprobs-bool", CMPL, cmpl(logprobs=True), 400, "logprobs"),
-    ("echo-with-logprobs", CMPL, cmpl(echo=True, logprobs=1), 400, "echo"),
+    # the mock engine has no scoring buckets: refused as an engine started without them
+    ("echo-with-logprobs", CMPL, cmpl(echo=True, logprobs=1), 400, "prompt_logprobs"),
     ("echo-string", CMPL, cmpl(echo="yes"), 400, "echo"),
     ("logit-bias-out-of-range", CMPL, cmpl(logit_bias={"5": 500}), 400, "logit_bias"),
     ("logit-bias-key", CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias"),
@@ -157,7 +158,7 @@ CASES = [
     ("tgi-max-new-tokens-zero", "/generate", tgi(max_new_tokens=0), 422, "parameters.max_new_tokens"),
     ("tgi-temperature-zero", "/generate", tgi(temperature=0), 422, "parameters.temperature"),
     ("tgi-top-n-tokens", "/generate", tgi(top_n_tokens=100), 422, "parameters.top_n_tokens"),
-    ("tgi-decoder-input-details", "/generate", tgi(decoder_input_details=True), 422,
+    ("tgi-decoder-input-details", "/generate_stream", tgi(decoder_input_details=True), 422,
      "parameters.decoder_input_details"),
     ("tgi-stream-max-new-tokens-huge", "/generate_stream", tgi(max_new_tokens=10 ** 6), 422,
      "parameters.max_new_tokens"),

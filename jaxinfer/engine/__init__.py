@@ -19,10 +19,12 @@
 6. ``runner.py`` runs two AOT-compiled executables on the device: the forward over the
    ragged batch (``models/``, attention from ``attention/dispatch.py``, matmuls from
    ``jaxinfer/matmul.py``; KV pages donated) and the sampler (``sampler.py``; grammar
-   masks from ``guided.py`` built on the host meanwhile). One device->host copy of the
-   packed tokens and logprobs per step.
+   masks from ``guided.py`` built on the host meanwhile; the watermark's bias from
+   ``watermark.py``). One device->host copy of the packed tokens and logprobs per step; a
+   scoring step (prompt logprobs, ``scoring.py``) also returns every prompt position's.
 7. ``output.py`` applies the tokens: logprobs, grammar state, stop tokens and strings
-   (``detokenizer.py``), max_tokens; finished sequences free their pages and rows.
+   (``detokenizer.py``), max_tokens; finished sequences free their pages and rows. Beam
+   search (``beam.py``), best_of and scoring-only requests hook in through ``search.py``.
 8. ``async_engine.py`` grows each request's cumulative output from the deltas;
    ``serving/protocol.py`` renders OpenAI or TGI JSON / SSE chunks back to the client.
 

@@ -41,10 +41,11 @@ class _Cumulative:
         out = self.out
         if out is None:
             outs = [CompletionOutput(d.index, d.text, list(d.token_ids), d.finish_reason, d.stop_reason,
-                                     None if d.logprobs is None else list(d.logprobs))
+                                     None if d.logprobs is None else list(d.logprobs), d.cumulative_logprob,
+                                     d.beam_score)
                     for d in delta.outputs]
             out = self.out = RequestOutput(delta.request_id, prompt_text, delta.prompt_token_ids, outs,
-                                           delta.finished, delta.metrics)
+                                           delta.finished, delta.metrics, delta.prompt_logprobs)
             return out
         for o, d in zip(out.outputs, delta.outputs):
             o.text += d.text
@@ -52,6 +53,7 @@ class _Cumulative:
             if d.logprobs:
                 o.logprobs.extend(d.logprobs)
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+            o.cumulative_logprob = d.cumulative_logprob
         out.finished, out.metrics = delta.finished, delta.metrics
         return out
 

@@ -20,11 +20,17 @@ share a step (vLLM's packed prefill) with at most c - 1 padding positions each. 
 last piece of a chunk samples; the other pieces' sampler rows are ignored.
 
 A ``Bucket`` is those four numbers; each bucket is one ahead-of-time compiled executable.
+With ``score`` set (prompt logprobs, engine/scoring.py), its executable also computes the
+logits of every token position and scores each against ``score_targets``; only prefill
+buckets have such twins (``BucketLadders.score``), and a step uses one only when one of
+its chunks asks for prompt logprobs (a 1-token chunk that does then rides in a prefill
+slot, so the twin always exists).
 Host only: numpy, no jax (the batch is built while the device may still be busy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
@@ -43,11 +49,13 @@ class Bucket:
     num_decode: int
     num_prefill: int
     prefill_chunk: int
+    score: bool = False       # also scores every token position (prompt logprobs)
 
     @classmethod
-    def of(cls, num_decode: int, num_prefill: int, prefill_chunk: int, max_pages: int) -> "Bucket":
+    def of(cls, num_decode: int, num_prefill: int, prefill_chunk: int, max_pages: int,
+           score: bool = False) -> "Bucket":
         return cls(num_decode + num_prefill * prefill_chunk, max_pages, num_decode,
-                   num_prefill, prefill_chunk)
+                   num_prefill, prefill_chunk, score)
 
     @property
     def num_seqs(self) -> int:
@@ -67,13 +75,15 @@ class BucketLadders:
     ``decode_sizes`` serve decode-only steps; ``mixed_decode_sizes`` (coarser, 0 included)
     serve steps that also carry prefill chunks, whose cost the prefill dominates.
     ``prefill_shapes`` are (num_prefill, prefill_chunk) pairs: a shape holds any set of
-    chunks whose pieces (``pieces``) number at most ``num_prefill``.
+    chunks whose pieces (``pieces``) number at most ``num_prefill``. ``score``: every
+    bucket with prefill slots also gets its scoring twin (``Bucket.score``).
     """
 
     decode_sizes: tuple[int, ...]
     mixed_decode_sizes: tuple[int, ...]
     prefill_shapes: tuple[tuple[int, int], ...]
     page_sizes: tuple[int, ...]
+    score: bool = False
 
     def __post_init__(self) -> None:
         for name in ("decode_sizes", "mixed_decode_sizes", "prefill_shapes", "page_sizes"):
@@ -84,21 +94,29 @@ class BucketLadders:
     def all_buckets(self) -> list[Bucket]:
         out = {Bucket.of(d, 0, 0, p) for d, p in itertools.product(self.decode_sizes, self.page_sizes)
                if d > 0}
-        out |= {Bucket.of(d, n, c, p) for d, (n, c), p in
-                itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)}
+        out |= {Bucket.of(d, n, c, p, score) for d, (n, c), p in
+                itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)
+                for score in ((False, True) if self.score else (False,))}
         return sorted(out)
 
     def choose(self, num_decode: int, chunks: Seq[int], max_pages: int,
-               ready: Callable[[Bucket], bool] | None = None) -> Bucket:
+               ready: Callable[[Bucket], bool] | None = None, score: bool = False) -> Bucket:
         """The cheapest bucket holding the step (fewest token positions, then fewest
         slots), or ValueError (a scheduler bug). ``ready``: while buckets still compile in
         the background, the cheapest compiled bucket that holds the step instead (the
         tokens do not depend on the bucket: batch invariance); the ideal one when none
-        is compiled yet (the caller then waits for it)."""
+        is compiled yet (the caller then waits for it). ``score``: a scoring twin (the
+        step has prefill chunks that want prompt logprobs)."""
+        if score and not (self.score and chunks):
+            raise ValueError("prompt_logprobs: this engine has no scoring buckets "
+                             "(EngineConfig.enable_prompt_logprobs)" if not self.score else
+                             "a scoring step needs a prefill chunk")
         best = self._choose(num_decode, chunks, max_pages)
+        best = dataclasses.replace(best, score=score) if score else best
         if ready is None or ready(best):
             return best
-        fits = [b for b in self.all_buckets() if ready(b) and holds(b, num_decode, chunks, max_pages)]
+        fits = [b for b in self.all_buckets()
+                if b.score == score and ready(b) and holds(b, num_decode, chunks, max_pages)]
         return min(fits, key=lambda b: (b.num_tokens, b.num_seqs), default=best)
 
     def _choose(self, num_decode: int, chunks: Seq[int], max_pages: int) -> Bucket:
@@ -179,6 +197,12 @@ class StepBatch:
     token_rows: np.ndarray      # i32[T]  penalty-state row of each token
     token_is_output: np.ndarray  # bool[T] token is a generated one (else prompt / padding)
     entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
+    # Scoring buckets (prompt logprobs): the token each position is scored against (the
+    # next prompt token) and its top-k width (-1: not scored); ``scored`` maps rows back:
+    # (entry, first row in T, first position, count) per run of scored positions.
+    score_targets: np.ndarray | None = None      # i32[T]
+    score_k: np.ndarray | None = None            # i32[T]
+    scored: list[tuple[ScheduledSeq, int, int, int]] = field(default_factory=list)
 
 
 def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
@@ -188,11 +212,13 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     ``lookahead``: the page table also covers this many positions past each chunk (a
     multi-step decode writes them on the device; their pages are already allocated).
     ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
-    decodes = [e for e in scheduled if e.num_new_tokens == 1 or e.draft]
-    prefills = [e for e in scheduled if e.num_new_tokens > 1 and not e.draft]
+    scoring = any(map(wants_scores, scheduled))
+    # a 1-token chunk that wants scores takes a prefill slot: only prefill buckets score
+    decodes = [e for e in scheduled if (e.num_new_tokens == 1 and not wants_scores(e)) or e.draft]
+    prefills = [e for e in scheduled if (e.num_new_tokens > 1 or wants_scores(e)) and not e.draft]
     max_pages = max(-(-(e.start_pos + e.num_new_tokens + lookahead) // page_size) for e in scheduled)
     b = ladders.choose(sum(e.num_new_tokens for e in decodes), [e.num_new_tokens for e in prefills],
-                       max_pages, ready)
+                       max_pages, ready, scoring)
     T, S, P = b.num_tokens, b.num_seqs, b.max_pages
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -206,6 +232,9 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     rows = np.full(S, PAD_ROW, np.int32)
     reset_rows = np.zeros(S, bool)
     entries: list[tuple[int, ScheduledSeq]] = []
+    score_targets = np.zeros(T, np.int32)
+    score_k = np.full(T, -1, np.int32)
+    scored: list[tuple[ScheduledSeq, int, int, int]] = []
 
     def place(slot: int, first_token: int, e: ScheduledSeq, pages: np.ndarray, start: int, n: int,
               last: bool, token: int | None = None) -> None:
@@ -230,6 +259,14 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         reset_rows[slot] = start == 0     # the penalty row is cleared before any token is added
         if last:
             entries.append((slot, e))
+        # position p is scored against prompt token p + 1 (the prompt's last position
+        # predicts the first output token: that is the sampler's row, not a score)
+        k = seq.params.prompt_logprobs
+        n_scored = min(end, seq.num_prompt_tokens - 1) - start
+        if k is not None and n_scored > 0:
+            score_targets[first_token:first_token + n_scored] = seq.prompt_token_ids[start + 1:start + 1 + n_scored]
+            score_k[first_token:first_token + n_scored] = k
+            scored.append((e, first_token, start, n_scored))
 
     # A speculating sequence takes 1 + len(draft) consecutive decode slots: slot j feeds
     # the token at start_pos + j (the last sampled one, then the draft) and attends to the
@@ -248,7 +285,14 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
             place(slot, b.num_decode + (slot - b.num_decode) * c, e, pages, start, n, start + n == end)
             slot += 1
     return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
-                     logits_index, rows, reset_rows, token_rows, token_is_output, entries)
+                     logits_index, rows, reset_rows, token_rows, token_is_output, entries,
+                     score_targets, score_k, scored)
+
+
+def wants_scores(e: ScheduledSeq) -> bool:
+    """The chunk covers prompt positions whose next token is a prompt token, and the
+    sequence asked for prompt logprobs."""
+    return e.seq.params.prompt_logprobs is not None and e.start_pos < e.seq.num_prompt_tokens - 1
 
 
 # The arrays the compiled step takes, the one list of them (the runner's abstract
@@ -259,6 +303,7 @@ STEP_ARRAYS: dict[str, tuple[str, type]] = {
     "kv_lens": ("S", np.int32), "q_lens": ("S", np.int32), "page_table": ("SP", np.int32),
     "logits_index": ("S", np.int32), "rows": ("S", np.int32), "reset_rows": ("S", np.bool_),
     "token_rows": ("T", np.int32), "token_is_output": ("T", np.bool_),
+    "score_targets": ("T", np.int32), "score_k": ("T", np.int32),
 }
 
 
@@ -269,5 +314,6 @@ def step_array_shapes(b: Bucket) -> dict[str, tuple[tuple[int, ...], type]]:
 
 
 def as_device_args(batch: StepBatch) -> dict[str, Any]:
-    """The arrays the compiled step takes (names match the step's signature)."""
+    """The arrays the compiled step takes (names match the step's signature; the score
+    arrays are unused outside scoring buckets, but one structure serves every step)."""
     return {k: getattr(batch, k) for k in STEP_ARRAYS}

@@ -57,7 +57,8 @@ _ROOT_HASH = 0x6A6178696E666572
 
 class PageOp(NamedTuple):
     """One page move for the runner: "to_host" (device ``page`` -> host ``slot``),
-    "to_device" (host ``slot`` -> device ``page``) or "poison" (``page``; slot unused)."""
+    "to_device" (host ``slot`` -> device ``page``), "copy" (device page ``slot`` -> device
+    ``page``) or "poison" (``page``; slot unused)."""
 
     kind: str
     page: int
@@ -172,6 +173,31 @@ class BlockManager:
         for p in pages:
             self._incref(p)
         dst_seq.page_ids.extend(pages)
+
+    def fork(self, src: Sequence, dst: Sequence) -> bool:
+        """``dst`` (holding no pages) starts with ``src``'s computed KV, copy-on-write
+        (beam search): ``src``'s full pages are shared (refcount + 1) and its partially
+        filled last page, which both will go on writing, is copied into a fresh page
+        ("copy" op, run before the next forward). False, changing nothing, if no page is
+        free for that copy."""
+        if dst.page_ids:
+            raise ValueError(f"fork: destination {dst!r} already holds pages")
+        n = src.num_computed_tokens
+        full, partial = divmod(n, self.page_size)
+        if self.pages_for(n) > len(src.page_ids):
+            raise ValueError(f"fork: {src!r} holds too few pages for its {n} computed tokens")
+        if partial and not self.num_free_pages:
+            return False
+        for p in src.page_ids[:full]:
+            self._incref(p)
+        dst.page_ids.extend(src.page_ids[:full])
+        dst.page_hashes = list(src.page_hashes[:full])
+        if partial:
+            p = self._take_free_page()
+            self._refcount[p] = 1
+            dst.page_ids.append(p)
+            self._ops.append(PageOp("copy", p, src.page_ids[full]))
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its pages; pages at refcount 0 become free.

@@ -23,6 +23,7 @@ from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.memory import release_host_memory
+from jaxinfer.engine import search
 from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -100,7 +101,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
-        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish)
+        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.num_steps = 0
         self._grammars: Any = None           # guided.GrammarCompiler, built on first use
         self.host_seconds = 0.0
@@ -150,7 +151,7 @@ class Engine:
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
                              c.prefill_buckets or auto.prefill_shapes,
-                             c.page_buckets or auto.page_sizes)
+                             c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs)
 
     def _warmup(self, progress: bool) -> float:
         """Compile the buckets a first request needs, then the rest: here, or in a
@@ -233,18 +234,23 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.output.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if params.prompt_logprobs is not None and not self.ladders.score:
+            raise ValueError("prompt_logprobs: this engine has no scoring buckets "
+                             "(EngineConfig.enable_prompt_logprobs, `--enable-prompt-logprobs`)")
         constraints = self._constraints(params) if params.constrained else None
         seqs = make_sequences(request_id, ids, params, priority=priority)
+        beam = search.start(params, seqs, self.eos_token_ids, self.max_model_len)
         replica = self._pick_replica(seqs[0])
         self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
         seeds = [derive_seed(params.seed, i) if params.seed is not None
-                 else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
+                 else int(self._rng.integers(0, 2**32)) for i in range(len(seqs))]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output) for _ in seqs]
         lps = None if params.logprobs is None else [[] for _ in seqs]
         self.output.requests[request_id] = RequestState(
             request_id, text, ids, params, seqs, detoks, seeds, lps, RequestMetrics(arrival_time=time.monotonic()),
-            replica, constraints=constraints)
+            replica, constraints=constraints, beam=beam,
+            prompt_logprobs=search.prompt_logprob_list(params, len(ids)))
         return request_id
 
     def _constraints(self, p: SamplingParams) -> list[Any]:
@@ -263,7 +269,7 @@ class Engine:
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
         first = self._grammars.matcher(p.guided) if p.guided is not None else None
         return [G.SequenceConstraints(first if i == 0 or first is None else first.deep_copy(),
-                                      p.min_tokens, stop_ids, words, p.logit_bias) for i in range(p.n)]
+                                      p.min_tokens, stop_ids, words, p.logit_bias) for i in range(p.best_of or p.n)]
 
     def _pick_replica(self, seq: Sequence) -> int:
         """Data parallelism: the replica whose prefix cache holds the longest prefix of the
@@ -301,7 +307,7 @@ class Engine:
         with self._timed() as timer:
             run = self._decode_run()
             if run is not None:
-                return [emit(r) for r in self._multi_step(*run, timer)]
+                return [emit(r) for r in self._multi_step(*run, timer) if r.visible]
             pending = []
             for rep in self.replicas:
                 sched = rep.schedule(self._drafts(rep))
@@ -314,8 +320,19 @@ class Engine:
                 fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
                 if self.publisher is not None:
                     self.publisher.step_done()
+                self._prompt_logprobs(fetched)
             return [emit(r) for rep, sched, batch, packed in fetched
-                    for r in self._postprocess(rep, sched, batch.entries, packed)]
+                    for r in self._postprocess(rep, sched, batch.entries, packed) if r.visible]
+
+    def _prompt_logprobs(self, fetched: list[tuple]) -> None:
+        """Scoring steps (prompt logprobs, engine/scoring.py): each scored position's
+        logprobs into its request, before the step's tokens are applied."""
+        from jaxinfer.engine.scoring import collect
+
+        for rep, _, batch, _ in fetched:
+            if batch.bucket.score:
+                collect(batch, rep.runner.fetch_scores(), lambda seq: getattr(
+                    self.output.requests.get(seq.request_id), "prompt_logprobs", None))
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator["_StepTimer"]:
@@ -357,8 +374,8 @@ class Engine:
 
     def _decode_run(self) -> tuple[SchedulerOutput, int] | None:
         """A multi-step decode run (``num_scheduler_steps``), when one applies: a
-        constrained sequence needs the host between tokens, so none runs then."""
-        if self.config.num_scheduler_steps <= 1 or any(r.constraints for r in self.output.requests.values()):
+        constrained sequence or a beam search needs the host between tokens, so none runs then."""
+        if self.config.num_scheduler_steps <= 1 or any(r.constraints or r.beam for r in self.output.requests.values()):
             return None
         rep = self.replicas[0]
         run = rep.scheduler.schedule_decode_run(self.config.num_scheduler_steps)
@@ -384,14 +401,17 @@ class Engine:
 
         n = batch.bucket.sample_rows
         params: list[SamplingParams | None] = [None] * n
-        seeds, steps = [0] * n, [0] * n
+        seeds, steps, prev = [0] * n, [0] * n, [0] * n
         for slot, e in batch.entries:
             req = self.output.requests[e.seq.request_id]
-            for j in range(1 + len(e.draft)):      # a draft's slots sample output tokens j ahead
+            end = e.start_pos + e.num_new_tokens - len(e.draft)
+            # a draft's slots sample output tokens j ahead, each after the token it feeds
+            for j, fed in enumerate(e.seq.token_ids_slice(end - 1, end) + list(e.draft)):
                 params[slot + j] = e.seq.params
                 seeds[slot + j] = req.seeds[e.seq.sample_index]
                 steps[slot + j] = e.seq.num_output_tokens + j
-        return S.sampling_tensors_from_params(params, seeds, steps, n)
+                prev[slot + j] = fed               # the watermark's green list follows it
+        return S.sampling_tensors_from_params(params, seeds, steps, n, prev)
 
     def _token_mask(self, batch) -> Callable[[], Any] | None:
         """The step's TokenMask builder for the runner (called while the device runs the

@@ -9,6 +9,9 @@ Copies run in whole-page batches of a fixed size from ``PAGE_BATCHES`` (padded w
 updated in place). Nothing compiles after warm-up, whatever the number of pages moved.
 
 Test poisoning ("poison" ops) reuses the scatter with NaN (floats) / 127 (int8) rows.
+
+Device-to-device copies ("copy" ops: beam search forks a beam's partially filled last
+page, engine/beam.py) run through one more executable, ``COPY_BATCH`` pages per call.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from jaxinfer.engine.block_manager import PageOp
 # Pages per copy call: a small size for the odd page and a large one for a long prefix,
 # so a 32-page hit is one call and a one-page eviction does not move 32 pages.
 PAGE_BATCHES = (4, 32)
+COPY_BATCH = 8       # a fork copies one page per new beam: a few per step
+
+
+def _copy(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
+    """The cache with page ``dst[i]`` := page ``src[i]`` (i32[B]; padding copies 0 -> 0)."""
+    return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="promise_in_bounds"), kv)
 
 
 def _gather(kv: Any, pages: jax.Array) -> list[jax.Array]:
@@ -50,15 +59,20 @@ class PageMover:
         self._shardings = [getattr(x, "sharding", None) for x in leaves]
         self._gathers: dict[int, Any] = {}
         self._scatters: dict[int, Any] = {}
+        self._copy: Any = None
         self.pages_to_host = 0
         self.pages_to_device = 0
+        self.pages_copied = 0
         self.copy_seconds = 0.0
 
-    def compile(self, kv: Any) -> float:
-        """AOT-compile the gather and scatter of every batch size; returns seconds."""
+    def compile(self, kv: Any, host: bool = True) -> float:
+        """AOT-compile the device page copy, and (``host``: a host pool or poisoning) the
+        gather and scatter of every batch size; returns seconds."""
         t0 = time.perf_counter()
         absk = jax.tree.map(self._abstract, kv)
-        for b in PAGE_BATCHES:
+        idx = self._abstract(np.zeros(COPY_BATCH, np.int32), replicated=True)
+        self._copy = jax.jit(_copy, donate_argnums=0).lower(absk, idx, idx).compile()
+        for b in PAGE_BATCHES if host else ():
             idx = self._abstract(np.zeros(b, np.int32), replicated=True)
             rows = [self._abstract_rows(x, b, s) for x, s in zip(jax.tree.leaves(kv), self._shardings)]
             self._gathers[b] = jax.jit(_gather).lower(absk, idx).compile()
@@ -76,6 +90,9 @@ class PageMover:
             elif kind == "to_device":
                 kv = self._to_device(kv, [o.page for o in run], [o.slot for o in run])
                 self.pages_to_device += len(run)
+            elif kind == "copy":
+                kv = self._copy_pages(kv, [o.slot for o in run], [o.page for o in run])
+                self.pages_copied += len(run)
             elif kind == "poison":
                 if poison:
                     kv = self._to_device(kv, [o.page for o in run], None)
@@ -91,6 +108,14 @@ class PageMover:
         for start in range(0, n, big):
             k = min(big, n - start)
             yield start, start + k, next(b for b in PAGE_BATCHES if b >= k)
+
+    def _copy_pages(self, kv: Any, src: list[int], dst: list[int]) -> Any:
+        for a in range(0, len(src), COPY_BATCH):
+            s, d = np.zeros(COPY_BATCH, np.int32), np.zeros(COPY_BATCH, np.int32)
+            s[:len(src[a:a + COPY_BATCH])] = src[a:a + COPY_BATCH]
+            d[:len(dst[a:a + COPY_BATCH])] = dst[a:a + COPY_BATCH]
+            kv = self._copy(kv, self._put(s, None), self._put(d, None))
+        return kv
 
     def _to_host(self, pages: list[int], slots: list[int], kv: Any) -> None:
         for a, z, b in self._batches(len(pages)):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jaxinfer.config import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.engine import search
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
@@ -39,10 +40,24 @@ class RequestState:
     constraints: list[Any] | None = None   # guided.SequenceConstraints per sample, if constrained
     finished: bool = False
     sent: list[tuple[int, int]] = field(default_factory=list)   # per sample: tokens, chars in deltas so far
+    beam: Any = None                    # beam.BeamRequest of a beam search (engine/search.py)
+    prompt_logprobs: list[Logprob | None] | None = None        # SamplingParams.prompt_logprobs
+    final: list[CompletionOutput] | None = None    # a finished beam / best_of request's outputs
+
+    @property
+    def visible(self) -> bool:
+        """Its outputs may be shown: beam and best_of requests show only their final ones."""
+        return self.finished or search.streams(self.params)
+
+    def _output(self, outs: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             self.metrics, self.prompt_logprobs)
 
     def delta(self) -> RequestOutput:
         """What is new since this request's previous ``delta()``: per sample, the new token ids,
         text and logprobs. Costs O(new), where ``snapshot`` copies everything so far."""
+        if self.final is not None:
+            return self._output(self.final)
         if not self.sent:
             self.sent = [(0, 0)] * len(self.seqs)
         outs = []
@@ -53,18 +68,18 @@ class RequestState:
                 index=i, text=d.text_since(nc), token_ids=toks[nt:], finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[i][nt:]))
             self.sent[i] = (len(toks), d.text_len)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+        return self._output(outs)
 
     def snapshot(self) -> RequestOutput:
+        if self.final is not None:
+            return self._output(self.final)
         outs = []
         for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
             outs.append(CompletionOutput(
                 index=i, text=d.text, token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=None if self.logprobs is None else list(self.logprobs[i])))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+        return self._output(outs)
 
 
 class OutputProcessor:
@@ -74,8 +89,9 @@ class OutputProcessor:
     and penalty-state row on the replica that runs it."""
 
     def __init__(self, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 finish_seq: Callable[[Sequence, str, Any], None]):
+                 finish_seq: Callable[[Sequence, str, Any], None], tokenizer: Any = None):
         self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer          # beam search detokenizes its hypotheses at the end
         self.max_model_len = max_model_len
         self.finish_seq = finish_seq
         self.requests: dict[str, RequestState] = {}
@@ -86,13 +102,15 @@ class OutputProcessor:
               res: Any) -> list[RequestState]:
         """One step's sampled tokens (``res``: sampler.Unpacked, indexed by slot) -> the
         requests that changed; finished ones are dropped from ``requests``."""
-        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in entries if e.samples}
+        # beams and scoring-only sequences get no token from the scheduler (engine/search.py)
+        sampled = {e.seq.seq_id: None if search.holds(e.seq) else int(res.token_ids[slot])
+                   for slot, e in entries if e.samples}
         slot_of = {e.seq.seq_id: slot for slot, e in entries}
         grew = scheduler.postprocess(sched, sampled)
         self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
                                         if e.start_pos < e.seq.num_prompt_tokens)
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        touched = self._held(scheduler, entries, sampled, res)
         for seq in grew:
             req = self.requests.get(seq.request_id)
             if req is None:
@@ -102,6 +120,7 @@ class OutputProcessor:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             tok = seq.output_token_ids[-1]
+            search.add_chosen_logprob(seq, res, slot_of[seq.seq_id])
             if req.logprobs is not None:
                 req.logprobs[seq.sample_index].append(_logprob(res, slot_of[seq.seq_id], tok, seq.params.logprobs))
             self._advance(req, seq, tok)
@@ -109,8 +128,25 @@ class OutputProcessor:
             if all(s.is_finished for s in req.seqs):
                 req.finished = True
                 req.metrics.finished_time = now
+                req.final = search.final_outputs(req, self.tokenizer)
                 del self.requests[req.request_id]
         return list(touched.values())
+
+    def _held(self, scheduler: Scheduler, entries: list[tuple[int, ScheduledSeq]], sampled: dict,
+              res: Any) -> dict[str, RequestState]:
+        """The sequences whose token the scheduler held back: a beam's search step, a
+        scoring-only request's end (search.after_step) -> the requests that changed."""
+        touched: dict[str, RequestState] = {}
+        for slot, e in entries:
+            req = self.requests.get(e.seq.request_id)
+            if req is None or sampled.get(e.seq.seq_id, 0) is not None or e.seq.is_finished:
+                continue
+            if search.after_step(req.beam, e.seq, slot, res, scheduler.fork,
+                                 lambda s, why: self.finish_seq(s, why, None)):
+                touched[req.request_id] = req
+            if req.beam is not None:
+                req.seqs = req.beam.beams
+        return touched
 
     def _advance(self, req: RequestState, seq: Sequence, tok: int) -> None:
         c = req.constraints[seq.sample_index] if req.constraints else None

@@ -35,6 +35,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
+from jaxinfer.engine import scoring
 from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_array_shapes
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
@@ -82,22 +83,25 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
 
 def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Bucket,
                attention: Callable, mm: Callable, tp_axis: str | None):
-    """The model over the ragged batch -> (logits f32[S, V], kv). Per device under shard_map."""
+    """The model over the ragged batch -> (logits f32[S, V], kv); a scoring bucket's
+    logits are every token position's, f32[T, V]. Per device under shard_map."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     cfg = model.cfg
     alibi = L.model_alibi_slopes(cfg)
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg,
                               None if alibi is None else L.local_heads(alibi, tp_axis))
-    return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
+    index = None if bucket.score else arrays["logits_index"]
+    return model(arrays["tokens"], arrays["positions"], kv, attn, index, mm, tp_axis)
 
 
 def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
                t: S.SamplingTensors, *, bucket: Bucket, attention: Callable, mm: Callable,
                mesh=None, state_specs=None, kv_specs=None):
-    """One executable per bucket: the model over the ragged batch -> logits f32[S', V].
-    The weights come as a flat list (``state_leaves`` of the treedef ``state_def``):
-    flattening the nnx State on every call cost ~0.4 ms of Python per step."""
+    """One executable per bucket: the model over the ragged batch -> logits f32[S', V],
+    kv, penalty state (and a scoring bucket's prompt scores, packed i32[T, 2 + 2K]:
+    engine/scoring.py). The weights come as a flat list (``state_leaves`` of the treedef
+    ``state_def``): flattening the nnx State on every call cost ~0.4 ms of Python per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
     body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL)
@@ -107,8 +111,13 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
         body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, kv_specs, shd.P()),
                              out_specs=(shd.P(), kv_specs), check_vma=False)
     logits, kv = body(state, kv, arrays)
+    scores = None
+    if bucket.score:
+        scores = scoring.score_rows(logits, arrays["score_targets"], arrays["score_k"], NUM_LOGPROBS)
+        logits = logits[arrays["logits_index"]]
     logits = jnp.pad(logits, ((0, bucket.sample_rows - bucket.num_seqs), (0, 0)))   # [S', V]
-    return logits, kv, _update_penalty_state(pen, t, arrays)
+    out = (logits, kv, _update_penalty_state(pen, t, arrays))
+    return out + (scores,) if bucket.score else out
 
 
 def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
@@ -144,7 +153,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                  slot_mapping=jnp.where(live, page * page_size + pos % page_size, arrays["slot_mapping"]),
                  reset_rows=arrays["reset_rows"] & (i == 0),
                  token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
-        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)))
+        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
+                                 prev_token=jnp.pad(tokens, (0, Sp - D)))     # the watermark's seed
         logits, kv = model_body(graphdef, state, kv, a, bucket=bucket, attention=attention, mm=mm,
                                 tp_axis=None)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
@@ -236,15 +246,17 @@ class ModelRunner:
         self._kv_pen_abstract = None
         self._abstract_args(Bucket.of(1, 0, 0, 1))
         self.last_logits: jax.Array | None = None
+        self.last_scores: jax.Array | None = None
         self.page_mover: Any = None       # kv_offload.PageMover, with a host tier or poisoning
 
-    def enable_page_moves(self, num_host_slots: int) -> float:
+    def enable_page_moves(self, num_host_slots: int, host: bool = True) -> float:
         """A host pool of ``num_host_slots`` pages and the page-copy executables, compiled
-        now (start-up); returns the seconds compiling took."""
+        now (start-up); ``host`` False: only the device-to-device copy (beam search).
+        Returns the seconds compiling took."""
         from jaxinfer.engine.kv_offload import PageMover
 
         self.page_mover = PageMover(self.kv, num_host_slots, self.mesh)
-        secs = self.page_mover.compile(self.kv)
+        secs = self.page_mover.compile(self.kv, host)
         self.compile_seconds += secs
         return secs
 
@@ -364,9 +376,10 @@ class ModelRunner:
         else:
             rep = shd.replicated(self.mesh)
             dev = jax.tree.map(lambda x: shd.put(x, rep), host)
-        logits, self.kv, self.pen = self.executables[b](self.state_leaves, self.kv, self.pen, dev["arrays"],
-                                                          dev["t"])
+        logits, self.kv, self.pen, *scores = self.executables[b](self.state_leaves, self.kv, self.pen,
+                                                                   dev["arrays"], dev["t"])
         self.last_logits = logits      # f32[S', V] on device, for tests and debugging (no copy)
+        self.last_scores = scores[0] if scores else None   # a scoring bucket's i32[T, 2 + 2K]
         if not sample:
             return logits
         mask = (mask_fn() if mask_fn else None) or self.empty_mask(b.sample_rows)
@@ -384,3 +397,9 @@ class ModelRunner:
     @staticmethod
     def fetch(packed: jax.Array) -> np.ndarray:
         return np.asarray(packed)
+
+    def fetch_scores(self) -> np.ndarray:
+        """The last step's prompt scores (a scoring bucket's; engine/scoring.py), on the host."""
+        if self.last_scores is None:
+            raise RuntimeError("fetch_scores: the last step did not run in a scoring bucket")
+        return np.asarray(self.last_scores)

@@ -6,7 +6,8 @@ static inputs are the shapes and ``num_logprobs`` (the executable's top-K capaci
 
 Semantics (decided here, tested in tests/test_sampler.py):
 
-* Order of processing, as in HF ``generate``: penalties -> temperature -> top-k -> top-p
+* Order of processing, as in HF ``generate`` (and TGI for the watermark): watermark bias ->
+  penalties -> temperature -> top-k -> top-p
   (on the top-k-renormalized distribution) -> min-p -> draw. Min-p compares
   ``p_i >= min_p * p_max``; renormalizing never changes that ratio and top-k / top-p always
   keep the top token, so min-p acts as an independent mask.
@@ -53,6 +54,7 @@ import numpy as np
 from jax import lax
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.engine.watermark import green_mask
 from jaxinfer.reductions import row_sum
 
 TOPK_CAP = 256        # rows with 1 <= top_k <= this choose among top-k candidates
@@ -83,6 +85,11 @@ class SamplingTensors:
     seed: jax.Array                # u32[B, 2]; (high, low) words of the 64-bit seed = key data
     step: jax.Array                # i32[B]; index of the output token being sampled (0 = first)
     num_logprobs: jax.Array        # i32[B]; -1 = no logprobs, k >= 0 = chosen + top k
+    # Watermark (engine/watermark.py): delta added to the green list of the row's previous
+    # token before penalties (TGI's order); 0 = off. threshold: the green-list cut.
+    watermark_delta: jax.Array     # f32[B]
+    watermark_threshold: jax.Array  # u32[B]
+    prev_token: jax.Array          # i32[B]; the token fed at this step (the last of the row)
 
     @property
     def batch_size(self) -> int:
@@ -90,11 +97,13 @@ class SamplingTensors:
 
 
 def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds: Sequence[int],
-                                 steps: Sequence[int], batch_size: int) -> SamplingTensors:
+                                 steps: Sequence[int], batch_size: int,
+                                 prev_tokens: Sequence[int] | None = None) -> SamplingTensors:
     """Host side: numpy arrays for ``batch_size`` rows; missing / None rows are greedy padding.
 
     ``seeds[i]`` is the row's explicit seed (the engine draws one when ``params.seed`` is
     None); it is taken modulo 2**64. ``steps[i]`` is the index of the token being sampled.
+    ``prev_tokens[i]``: the row's last token (needed by watermarked rows only).
     """
     n = len(params)
     if n > batch_size:
@@ -108,6 +117,13 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
     seed = np.zeros((batch_size, 2), np.uint32)
     step = np.zeros(batch_size, np.int32)
     nlp = np.full(batch_size, -1, np.int32)
+    wm_delta = np.zeros(batch_size, np.float32)
+    wm_thr = np.zeros(batch_size, np.uint32)
+    prev = np.zeros(batch_size, np.int32)
+    if prev_tokens is not None:
+        if len(prev_tokens) != n:
+            raise ValueError(f"prev_tokens: need one per row ({n}), got {len(prev_tokens)}")
+        prev[:n] = prev_tokens
     for i, p in enumerate(params):
         if p is None:
             continue
@@ -118,7 +134,16 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
         seed[i] = (s >> 32, s & 0xFFFFFFFF)
         step[i] = steps[i]
         nlp[i] = -1 if p.logprobs is None else p.logprobs
-    return SamplingTensors(temp, top_k, top_p, min_p, rep, pres, freq, seed, step, nlp)
+        if p.beam_width > 1:                 # the search ranks each beam's top candidates
+            nlp[i] = SamplingParams.MAX_LOGPROBS
+        elif p.best_of is not None and p.best_of > p.n:
+            nlp[i] = max(nlp[i], 0)          # ranked by cumulative logprob
+        if p.watermark is not None:
+            if prev_tokens is None:
+                raise ValueError("prev_tokens: watermarked rows need their previous token")
+            wm_delta[i], wm_thr[i] = p.watermark.delta, p.watermark.threshold
+    return SamplingTensors(temp, top_k, top_p, min_p, rep, pres, freq, seed, step, nlp,
+                           wm_delta, wm_thr, prev)
 
 
 # ----------------------------------------------------------------------------- token mask
@@ -505,9 +530,9 @@ def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Arra
                   mask: TokenMask | None = None) -> SampleOutput:
     """One block of rows; ``pen_of()`` gathers the block's penalty state."""
     b, v = raw.shape
-    x = raw
+    x = lax.cond(jnp.any(t.watermark_delta > 0), lambda: _apply_watermark(raw, t), lambda: raw)
     if pen_of is not None:
-        x = lax.cond(any_penalty(t), lambda: apply_penalties(raw, *pen_of(), t), lambda: raw)
+        x = lax.cond(any_penalty(t), lambda: apply_penalties(x, *pen_of(), t), lambda: x)
     if mask is not None:
         x = lax.cond(jnp.any(mask.active), lambda y: apply_token_mask(y, mask), lambda y: y, x)
     greedy = t.temperature <= 0
@@ -527,22 +552,32 @@ def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Arra
         return jnp.where(greedy, tok, jnp.where(small_k, tok_small, tok_other))
 
     tok = lax.cond(jnp.all(greedy), lambda: tok, sampled)
-    return _logprobs(raw, tok, t, k)
+    return logprobs_of(raw, tok, t.num_logprobs, k)
 
 
-def _logprobs(raw: jax.Array, tok: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
+def _apply_watermark(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Kirchenbauer et al.: + delta on the green list of each row's previous token."""
+    with jax.named_scope("watermark"):
+        green = green_mask(t.prev_token, logits.shape[1], t.watermark_threshold)
+        return logits + jnp.where(green, t.watermark_delta[:, None], 0.0)
+
+
+def logprobs_of(raw: jax.Array, tok: jax.Array, num_logprobs: jax.Array, k: int) -> SampleOutput:
+    """raw f32[B, V] logits, tok i32[B] -> tok, its log-probability and the top-``k``
+    (static) alternatives, for rows with ``num_logprobs`` (i32[B]) >= 0 (> 0 for the
+    alternatives); zeros elsewhere. Also the prompt scorer's (engine/scoring.py)."""
     b = raw.shape[0]
     with jax.named_scope("logprobs"):
         def lse():      # summed in a fixed order: the same bits in any block / batch size
             m = jnp.max(raw, axis=-1)
             return m + jnp.log(row_sum(jnp.exp(raw - m[:, None])))
 
-        lse = lax.cond(jnp.any(t.num_logprobs >= 0), lse, lambda: jnp.zeros(b, jnp.float32))
+        lse = lax.cond(jnp.any(num_logprobs >= 0), lse, lambda: jnp.zeros(b, jnp.float32))
         chosen = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0] - lse
-        chosen = jnp.where(t.num_logprobs >= 0, chosen, 0.0)
+        chosen = jnp.where(num_logprobs >= 0, chosen, 0.0)
         if k == 0:
             return SampleOutput(tok, chosen, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
-        top_v, top_i = lax.cond(jnp.any(t.num_logprobs > 0),
+        top_v, top_i = lax.cond(jnp.any(num_logprobs > 0),
                                 lambda: _top_k(raw, k),
                                 lambda: (jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)))
         return SampleOutput(tok, chosen, top_i, top_v - lse[:, None])

@@ -41,6 +41,18 @@ Prefix caching: admission starts a sequence at its first uncached token (the hit
 device or host tier, are counted as computed; chunked prefill and packing then see only
 the rest), always leaving at least its last token to compute so it samples.
 
+Beam search (engine/beam.py): a request with ``beam_width`` W starts as one sequence and
+is admitted only when W of the ``max_num_seqs`` places are free; they stay reserved for it
+until it ends, so the beams it forks (``fork``: the parent's computed KV shared
+copy-on-write) always have a place. A beam's step may append no token
+(``postprocess(sampled={seq_id: None})``): the beam search appends once every beam of the
+request has its candidates, and a beam waiting for that needs no token, so it is not
+scheduled meanwhile. Finished beams leave the request's group at once (a search drops and
+forks beams every step).
+
+Prompt logprobs: a sequence that wants them never starts from a prefix-cache hit (the hit's
+positions would not be scored); it may still share a sibling's computed prompt pages.
+
 Requests that can never run are refused by ``add`` with ValueError: a prompt longer than
 ``max_model_len``, or a sequence whose worst-case length (prompt + max_tokens - 1 tokens
 of KV, capped at ``max_model_len``) needs more pages than the whole cache has (it would
@@ -144,6 +156,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}     # unfinished requests' sequences
         self._keys: dict[int, tuple[int, float, int]] = {}
+        self._beam_seats: dict[str, int] = {}              # admitted beam requests -> width
         self._num_added = 0
         self.num_preemptions_total = 0
         self.num_cached_tokens_total = 0     # admitted tokens found in the cache (not recomputed)
@@ -221,8 +234,28 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self._keys.pop(seq.seq_id, None)
         group = self._requests.get(seq.request_id)
+        if group is not None and seq.params.beam_width > 1:
+            group.remove(seq)
         if group is not None and all(s.status is _FINISHED for s in group):
             del self._requests[seq.request_id]
+            self._beam_seats.pop(seq.request_id, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search: ``child`` (a fresh sequence of ``parent``'s request, holding the
+        same tokens) continues from ``parent``'s computed KV (BlockManager.fork), in one of
+        the places its request reserved. Without a free page for the copy, it waits to
+        recompute its tokens like a preempted sequence."""
+        if parent.status is not _RUNNING or child.status is not _WAITING or child.page_ids:
+            raise ValueError(f"fork: {parent!r} must be running and {child!r} fresh")
+        self._keys[child.seq_id] = self._keys[parent.seq_id]
+        self._requests[parent.request_id].append(child)
+        if self.bm.fork(parent, child):
+            child.status = _RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            bisect.insort(self.running, child, key=self._key)
+        else:
+            child.status = _PREEMPTED
+            bisect.insort(self.waiting, child, key=self._key)
 
     # ---- the step -----------------------------------------------------------------
     def schedule(self, drafts: dict[int, Seq[int]] | None = None) -> SchedulerOutput:
@@ -305,7 +338,7 @@ class Scheduler:
                               [], len(self.running))
         return out, k
 
-    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int | None]) -> list[Sequence]:
         """Record a finished step: advance ``num_computed_tokens`` of every scheduled
         sequence and append the sampled token (``sampled[seq_id]``) of every one whose
         entry ``samples``. Entries of sequences aborted meanwhile are skipped; tokens
@@ -325,11 +358,13 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
                 try:
-                    seq.append_token(int(sampled[seq.seq_id]))
+                    tok = sampled[seq.seq_id]
                 except KeyError:
                     raise KeyError(f"postprocess: no sampled token for seq_id {seq.seq_id}, "
                                    f"whose entry samples") from None
-                grew.append(seq)
+                if tok is not None:              # None: the caller appends (beam search) or stops
+                    seq.append_token(int(tok))
+                    grew.append(seq)
             self.bm.cache_computed(seq)
         return grew
 
@@ -337,10 +372,25 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple[int, float, int]:
         return self._keys[seq.seq_id]
 
+    def _seats_taken(self) -> int:
+        """Places in ``max_num_seqs`` in use: running sequences and beam reservations."""
+        reserved = 0
+        for rid, width in self._beam_seats.items():
+            reserved += width - sum(s.status is _RUNNING for s in self._requests[rid])
+        return len(self.running) + reserved
+
+    def _seats_needed(self, seq: Sequence) -> int:
+        if seq.request_id in self._beam_seats:
+            return 0                                  # a beam of an admitted search: reserved
+        return seq.params.beam_width
+
     def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots) -> int:
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._seats_taken()
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            if seats + self._seats_needed(seq) > self.max_num_seqs:
+                break                                 # FCFS: a beam search waits for its places
             prefix = self._prefix_for(seq)
             if prefix is None:                        # a sibling is computing our prompt pages
                 i += 1
@@ -357,6 +407,9 @@ class Scheduler:
             seq.status = _RUNNING
             seq.num_computed_tokens = cached
             seq.num_cached_tokens = cached
+            seats += self._seats_needed(seq)
+            if seq.params.beam_width > 1:
+                self._beam_seats[seq.request_id] = seq.params.beam_width
             self.num_cached_tokens_total += cached
             self.num_admitted_tokens_total += seq.num_tokens
             if self.bm.enable_prefix_caching:
@@ -376,7 +429,8 @@ class Scheduler:
             # The device rebuilds penalty state from the tokens a sequence feeds, so a
             # penalized sequence computes its whole prompt itself.
             return []
-        cache_hit = self.bm.lookup_prefix(seq)
+        # prompt logprobs: every position must be computed (and scored) by the group
+        cache_hit = [] if p.prompt_logprobs is not None else self.bm.lookup_prefix(seq)
         group = self._requests[seq.request_id]
         # Full pages of the prompt, leaving >= 1 token to compute.
         k = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.bm.page_size
@@ -427,6 +481,13 @@ class Scheduler:
                              f"max_model_len={self.max_model_len}")
         worst = min(n_prompt + first.params.max_tokens - 1, self.max_model_len)
         need = self.bm.pages_for(worst)
+        width = first.params.beam_width
+        if width > self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: beam_width={width} is more than max_num_seqs="
+                             f"{self.max_num_seqs} (the beams run side by side)")
+        if width > 1:       # the prompt's full pages are shared, the rest is each beam's own
+            shared = n_prompt // self.bm.page_size
+            need = shared + width * (need - shared)
         if need > self.bm.num_usable_pages:
             raise ValueError(
                 f"request {rid!r}: prompt ({n_prompt} tokens) + max_tokens ({first.params.max_tokens}) "

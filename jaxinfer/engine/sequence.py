@@ -59,6 +59,9 @@ class Sequence:
     # Chain hashes of this sequence's full pages (block manager, prefix caching). Tokens
     # are append-only, so a full page's hash never changes, even across preemptions.
     page_hashes: list[int] = field(default_factory=list)
+    # Sum of the sampled tokens' logprobs, where the sampler computed them (best_of ranks
+    # samples by it).
+    cumulative_logprob: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,9 +118,11 @@ def derive_seed(seed: int | None, index: int) -> int:
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                    priority: int = 0, arrival_time: float | None = None) -> list[Sequence]:
-    """The ``params.n`` sequences of one request (prompt list shared read-only)."""
+    """The sequences of one request (prompt list shared read-only): ``params.n`` samples,
+    ``best_of`` when it asks for more, one for a beam search (it forks the others)."""
     t = time.monotonic() if arrival_time is None else arrival_time
     prompt = list(prompt_token_ids)
+    count = 1 if params.beam_width > 1 else (params.best_of or params.n)
     return [Sequence(seq_id=next_seq_id(), request_id=request_id, prompt_token_ids=prompt,
                      params=params, sample_index=i, priority=priority, arrival_time=t)
-            for i in range(params.n)]
+            for i in range(count)]

@@ -194,9 +194,11 @@ def make_speculator(config: EngineConfig) -> Speculator | None:
 def speculable(seq: Sequence, constrained: bool) -> bool:
     """Whether ``seq`` may speculate: no penalties (the device's penalty state counts every
     fed token, rejected drafts included) and no token mask (``constrained``: its grammar
-    state advances one accepted token at a time on the host)."""
+    state advances one accepted token at a time on the host), no beam search (its tokens
+    are chosen on the host after each step)."""
     p = seq.params
-    return not constrained and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+    return (not constrained and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+            and p.beam_width == 1)
 
 
 def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int) -> tuple[int, ...]:

@@ -56,7 +56,8 @@ def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
     elif every:
         first.append(min(b for b in every if b.num_prefill > 0))
     first = sorted(set(first))
-    return first, [b for b in every if b not in first]
+    # scoring twins (prompt logprobs) last: most traffic never needs them
+    return first, sorted((b for b in every if b not in first), key=lambda b: (b.score, b))
 
 
 class BucketCompiler:

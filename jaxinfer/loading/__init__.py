@@ -143,6 +143,20 @@ def read_config(model: str | None = None) -> ModelConfig:
     raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
 
 
+def load_tokenizer(model: str | None = None) -> Any:
+    """The model's tokenizer alone, without reading its weights (HF or converted dir, or
+    the GGUF's vocabulary)."""
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    path = model_path(model)
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    if path.endswith(".gguf"):
+        from jaxinfer.loading.gguf import open_gguf
+        return Tokenizer.from_gguf_reader(open_gguf(path))
+    raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
+
+
 def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
     """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
     ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""

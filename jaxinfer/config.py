@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 # HF `architectures` names that the Llama-family model file serves (see models/registry.py).
 LLAMA_FAMILY = (
@@ -338,10 +338,6 @@ class SamplingParams:
         """Whether the sampler's token mask has work for this request."""
         return self.guided is not None or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
@@ -387,10 +383,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
-
-
-def as_tuple(x: Sequence[Any] | None) -> tuple[Any, ...]:
-    return () if x is None else tuple(x)
 
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxinfer/xla"

@@ -15,9 +15,8 @@ implementation used by the numerics tests against HF transformers.
 from __future__ import annotations
 
 import functools
-import secrets
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +32,6 @@ from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
 
 PAGE = 16   # the contiguous cache seen as pages (paged attention); a divisor of KV_BLOCK
-
-
-def derive_seed(seed: int | None, index: int) -> int:
-    """The sampler seed of sample ``index`` of a request: reproducible for a given request
-    seed, fresh randomness when the request gave none. Shared with the engine."""
-    if seed is None:
-        return secrets.randbits(32)
-    return (seed * 0x9E3779B1 + index * 0x85EBCA77) & 0xFFFFFFFF
 
 
 @dataclass

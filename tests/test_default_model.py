@@ -5,7 +5,6 @@ continuous-batching engine."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest

@@ -8,14 +8,13 @@ own features (n > 1, stop strings, penalties, logprobs, abort, limits) on a tiny
 from __future__ import annotations
 
 import asyncio
-import os
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams
+from jaxinfer.config import ModelConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import QueueFullError
 from jaxinfer.loading import LoadedModel, load_model
@@ -175,7 +174,7 @@ def test_tiny_engine_matches_reference_with_sampling_features(tiny_engine):
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=5),
     ]
     outs = eng.generate(prompts, params)
-    from jaxinfer.reference import derive_seed
+    from jaxinfer.engine.sequence import derive_seed
     for prompt, p, o in zip(prompts, params, outs):
         seed = derive_seed(p.seed, 0) if p.seed is not None else 0
         want = ref.generate([prompt], [p], [seed])[0]

@@ -26,7 +26,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.loading.gguf import load_gguf, open_gguf  # noqa: E402
+from jaxinfer.loading.gguf import open_gguf  # noqa: E402
 from jaxinfer.loading.tokenizer import Tokenizer  # noqa: E402
 from prompt_data import BUILTIN_QUESTIONS, mt_bench_turns  # noqa: E402
 

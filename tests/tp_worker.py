@@ -201,7 +201,6 @@ def mode_default(tps: list[int]) -> dict:
 def mode_load(hf_dir: str, tmp: str) -> dict:
     """Weights land in their shards: from safetensors and from an orbax checkpoint restored
     sharded; every device holds only its slice, values equal the unsharded load."""
-    import jax
     import numpy as np
 
     from jaxinfer import sharding

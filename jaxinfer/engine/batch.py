@@ -251,8 +251,23 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
                      logits_index, rows, reset_rows, token_rows, token_is_output, entries)
 
 
+# The arrays the compiled step takes, the one list of them (the runner's abstract
+# arguments, multi-host replay and ``as_device_args`` read it): name -> (shape in terms of
+# the bucket's T tokens, S slots and P pages, dtype).
+STEP_ARRAYS: dict[str, tuple[str, type]] = {
+    "tokens": ("T", np.int32), "positions": ("T", np.int32), "slot_mapping": ("T", np.int32),
+    "kv_lens": ("S", np.int32), "q_lens": ("S", np.int32), "page_table": ("SP", np.int32),
+    "logits_index": ("S", np.int32), "rows": ("S", np.int32), "reset_rows": ("S", np.bool_),
+    "token_rows": ("T", np.int32), "token_is_output": ("T", np.bool_),
+}
+
+
+def step_array_shapes(b: Bucket) -> dict[str, tuple[tuple[int, ...], type]]:
+    """name -> (shape, dtype) of each step array in bucket ``b``."""
+    dims = {"T": (b.num_tokens,), "S": (b.num_seqs,), "SP": (b.num_seqs, b.max_pages)}
+    return {k: (dims[axes], dt) for k, (axes, dt) in STEP_ARRAYS.items()}
+
+
 def as_device_args(batch: StepBatch) -> dict[str, Any]:
     """The arrays the compiled step takes (names match the step's signature)."""
-    return {k: getattr(batch, k) for k in ("tokens", "positions", "slot_mapping", "kv_lens",
-                                           "q_lens", "page_table", "logits_index", "rows",
-                                           "reset_rows", "token_rows", "token_is_output")}
+    return {k: getattr(batch, k) for k in STEP_ARRAYS}

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
@@ -25,9 +25,8 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.memory import available_ram, release_host_memory
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from jaxinfer.engine.sequence import Sequence, make_sequences
+from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
 from jaxinfer.engine.speculative import speculable
-from jaxinfer.reference import derive_seed
 
 log = logging.getLogger("jaxinfer")
 
@@ -629,10 +628,8 @@ class Engine:
                 "matmul": matmul_name(self.config.quantization, self.loaded.model.dtype)}
 
     def _prefix_cache_stats(self) -> dict[str, int]:
-        keys = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_host_hits_total",
-                "prefix_cache_pages", "host_cache_pages")
-        per = [r.scheduler.stats() for r in self.replicas]
-        out = {k: sum(int(s[k]) for s in per) for k in keys}
+        per = [r.scheduler.prefix_cache_stats() for r in self.replicas]
+        out = {k: sum(s[k] for s in per) for k in per[0]}
         out["host_cache_total_pages"] = sum(r.block_manager.host.num_slots for r in self.replicas)
         return out
 

@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.block_manager import PageOp
@@ -135,8 +134,3 @@ class PageMover:
         if self.mesh is None:
             return jax.ShapeDtypeStruct(shape, x.dtype)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
-
-
-def host_bytes_per_page(kv: Any) -> int:
-    """Host bytes one slot takes (every leaf's page row)."""
-    return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(kv))

@@ -27,19 +27,17 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import sampler as S
-from jaxinfer.engine.batch import Bucket
+from jaxinfer.engine.batch import STEP_ARRAYS, Bucket
 
 log = logging.getLogger("jaxinfer")
 
 _PREFIX = "jaxinfer/step/"
 _STOP = b"stop"
-_ARRAY_NAMES = ("tokens", "positions", "slot_mapping", "kv_lens", "q_lens", "page_table",
-                "logits_index", "rows", "reset_rows", "token_rows", "token_is_output")
 
 
 def _treedef():
     """Structure of a step's host arrays (runner.ModelRunner.dispatch builds it)."""
-    return jax.tree.structure({"arrays": {k: 0 for k in _ARRAY_NAMES},
+    return jax.tree.structure({"arrays": {k: 0 for k in STEP_ARRAYS},
                                "t": S.sampling_tensors_from_params([], [], [], 1),
                                "sample_rows": 0})
 

@@ -29,16 +29,16 @@ from flax import nnx
 from jax import lax
 
 from jaxinfer import quantization
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, SamplingParams
 from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
-from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args
+from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_array_shapes
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
 
-NUM_LOGPROBS = 20   # top-K capacity of every executable (SamplingParams.MAX_LOGPROBS)
+NUM_LOGPROBS = SamplingParams.MAX_LOGPROBS   # top-K capacity of every executable
 
 
 def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_lens, q_lens,
@@ -76,11 +76,7 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
         oc = oc.at[a["token_rows"], a["tokens"]].add(is_out.astype(jnp.int32))
         return pm, oc
 
-    return lax.cond(_any_penalty(t), update, lambda p: p, pen)
-
-
-def _any_penalty(t: S.SamplingTensors) -> jax.Array:
-    return ((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)).any()
+    return lax.cond(S.any_penalty(t), update, lambda p: p, pen)
 
 
 def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Bucket,
@@ -267,12 +263,7 @@ class ModelRunner:
         T, Sn, P = b.num_tokens, b.num_seqs, b.max_pages
         rep = None if self.mesh is None else shd.replicated(self.mesh)
         host = lambda shape, dt: self._abstract(np.empty(shape, dt), rep)   # noqa: E731
-        arrays = {"tokens": host(T, np.int32), "positions": host(T, np.int32),
-                  "slot_mapping": host(T, np.int32), "kv_lens": host(Sn, np.int32),
-                  "q_lens": host(Sn, np.int32), "page_table": host((Sn, P), np.int32),
-                  "logits_index": host(Sn, np.int32), "rows": host(Sn, np.int32),
-                  "reset_rows": host(Sn, bool), "token_rows": host(T, np.int32),
-                  "token_is_output": host(T, bool)}
+        arrays = {k: host(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}
         t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
         t = jax.tree.map(lambda x: self._abstract(x, rep), t)
         if self._kv_pen_abstract is None:
@@ -321,10 +312,6 @@ class ModelRunner:
                 state, kv, pen, arrays, t, scalar, rows, bucket=b,
                 max_steps=self.num_scheduler_steps).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
-
-    def execute(self, batch: StepBatch, t: S.SamplingTensors) -> np.ndarray:
-        """Run one step; returns the packed sampler output (host numpy, i32[S, 2 + 2K])."""
-        return self.fetch(self.dispatch(batch, t))
 
     def empty_mask(self, rows: int) -> S.TokenMask:
         """The all-allowed TokenMask of ``rows`` rows, made once per width and kept on the

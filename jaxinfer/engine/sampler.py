@@ -167,7 +167,7 @@ def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: ja
         return logits - jnp.where(out_seen, t.presence_penalty[:, None], 0.0)
 
 
-def _any_penalty(t: SamplingTensors) -> jax.Array:
+def any_penalty(t: SamplingTensors) -> jax.Array:
     return jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0)
                    | (t.frequency_penalty != 0))
 
@@ -507,7 +507,7 @@ def _sample_block(raw: jax.Array, pen_of: Callable[[], tuple[jax.Array, jax.Arra
     b, v = raw.shape
     x = raw
     if pen_of is not None:
-        x = lax.cond(_any_penalty(t), lambda: apply_penalties(raw, *pen_of(), t), lambda: raw)
+        x = lax.cond(any_penalty(t), lambda: apply_penalties(raw, *pen_of(), t), lambda: raw)
     if mask is not None:
         x = lax.cond(jnp.any(mask.active), lambda y: apply_token_mask(y, mask), lambda y: y, x)
     greedy = t.temperature <= 0

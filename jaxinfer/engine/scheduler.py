@@ -169,15 +169,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def stats(self) -> dict[str, float]:
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """vLLM's prefix-cache counters (tokens) and the pages the cache holds per tier."""
         return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "num_preemptions_total": self.num_preemptions_total,
-            "page_usage": self.page_usage,
-            "num_free_pages": self.bm.num_free_pages,
-            "num_cached_tokens_total": self.num_cached_tokens_total,
-            "num_admitted_tokens_total": self.num_admitted_tokens_total,
             "prefix_cache_queries_total": self.prefix_cache_queries_total,
             "prefix_cache_hits_total": self.prefix_cache_hits_total,
             "prefix_cache_host_hits_total": self.prefix_cache_host_hits_total,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -81,10 +82,6 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -105,6 +102,15 @@ class Sequence:
                 f"{self.status.value}, prompt={self.num_prompt_tokens}, "
                 f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
                 f"pages={len(self.page_ids)})")
+
+
+def derive_seed(seed: int | None, index: int) -> int:
+    """The sampler seed of sample ``index`` of a request: reproducible for a given request
+    seed, fresh randomness when the request gave none. Shared by the engine and the
+    reference generator, so a seeded request samples the same tokens in both."""
+    if seed is None:
+        return secrets.randbits(32)
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77) & 0xFFFFFFFF
 
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

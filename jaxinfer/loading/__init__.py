@@ -3,7 +3,6 @@ checkpoint directory, a .gguf file, or a directory written by ``jaxinfer convert
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field

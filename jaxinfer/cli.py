@@ -65,6 +65,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of every matmul weight at load time")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="KV pages: the model's dtype (auto) or int8 with a scale per token and head")
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
+                   help="adapters to load at start: a request picks one with model=NAME (OpenAI) "
+                        "or adapter_id=NAME (TGI)")
+    g.add_argument("--max-loras", type=int, default=4, help="adapters one step can mix (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (<= 64)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters loaded at once, in host memory (default: 4 x --max-loras)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "
@@ -93,6 +103,13 @@ def _byte_size(s: str) -> int:
     if not 1 <= v < 1 << 50:
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 2G, got {s!r}")
     return int(v)
+
+
+def _lora_module(s: str) -> tuple[str, str]:
+    name, sep, path = s.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {s!r}")
+    return name, path
 
 
 def _tp_size(s: str) -> int:
@@ -140,13 +157,20 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        **speculative_options(args))
+        **speculative_options(args), **lora_options(args))
 
 
 def speculative_options(args: argparse.Namespace) -> dict:
     names = ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
              "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+def lora_options(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "lora_modules"):
+        return {}
+    return dict(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -192,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     print(f"ready in {time.perf_counter() - t0:.1f}s (load {engine.loaded.load_seconds:.1f}s, "
           f"compile {engine.compile_seconds:.1f}s)", file=sys.stderr)
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(prompt, params, lora=args.lora)
     printed = 0
     t1 = time.perf_counter()
     final = None
@@ -274,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--lora", default=None, metavar="NAME",
+                   help="generate with this adapter (one of --lora-modules)")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

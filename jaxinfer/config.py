@@ -461,6 +461,17 @@ class EngineConfig:
     # a step first needs it (one-shot runs: `jaxinfer generate`). Once warm (all compiled,
     # never for "lazy") no step compiles.
     warmup: str = "full"
+    # Multi-LoRA (engine/lora.py, engine/lora_device.py): PEFT adapters served beside the
+    # base model, a request picking one by name. ``max_loras`` device slots of rank
+    # ``max_lora_rank`` (static: the step's adapter arrays are [K, max_loras * max_lora_rank]),
+    # swapped least-recently-used from up to ``max_cpu_loras`` registered adapters (None:
+    # 4 x max_loras). ``lora_modules``: (name, directory) pairs loaded at start; they turn
+    # LoRA on, as does ``enable_lora`` (adapters loaded later, e.g. over HTTP).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape
@@ -469,6 +480,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
+    MAX_LORA_RANK = 64
     HOST_KV_CACHE_RAM_FRACTION = 0.1
 
     def __post_init__(self) -> None:
@@ -484,6 +496,7 @@ class EngineConfig:
         _require(self.warmup in ("full", "background", "lazy"), "warmup",
                  f"must be 'full', 'background' or 'lazy', got {self.warmup!r}")
         _check_speculative(self)
+        _check_lora(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
@@ -503,6 +516,31 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")
+
+
+def _check_lora(c: "EngineConfig") -> None:
+    """(Adapter names and files are checked when the engine loads them: engine/lora.py.)"""
+    mods = c.lora_modules.items() if isinstance(c.lora_modules, dict) else c.lora_modules
+    try:
+        mods = tuple((n, p) for n, p in mods)
+    except (TypeError, ValueError):
+        raise ValueError(f"lora_modules: expected (name, path) pairs, got {c.lora_modules!r:.80}") from None
+    _require(all(isinstance(x, str) and x for m in mods for x in m), "lora_modules",
+             "names and paths must be non-empty strings")
+    _require(len({n for n, _ in mods}) == len(mods), "lora_modules", "a name appears twice")
+    object.__setattr__(c, "lora_modules", mods)
+    if mods:
+        object.__setattr__(c, "enable_lora", True)
+    _require(isinstance(c.max_loras, int) and not isinstance(c.max_loras, bool) and 1 <= c.max_loras <= 256,
+             "max_loras", f"must be an integer in [1, 256], got {c.max_loras!r}")
+    _require(isinstance(c.max_lora_rank, int) and not isinstance(c.max_lora_rank, bool)
+             and 1 <= c.max_lora_rank <= c.MAX_LORA_RANK, "max_lora_rank",
+             f"must be an integer in [1, {c.MAX_LORA_RANK}], got {c.max_lora_rank!r}")
+    if c.max_cpu_loras is None:
+        object.__setattr__(c, "max_cpu_loras", 4 * c.max_loras)
+    _require(isinstance(c.max_cpu_loras, int) and c.max_cpu_loras >= max(c.max_loras, len(mods)),
+             "max_cpu_loras", f"must be an integer >= max_loras ({c.max_loras}) and the number of "
+             f"lora_modules ({len(mods)}), got {c.max_cpu_loras!r}")
 
 
 def _check_speculative(c: "EngineConfig") -> None:

@@ -564,10 +564,14 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     f = Fields(raw or {}, "parameters.")
     for key, why in (("decoder_input_details", "prompt logprobs are not computed"),
                      ("watermark", "watermarking"),
-                     ("adapter_id", "adapters"), ("truncate", "input truncation"),
+                     ("truncate", "input truncation"),
                      ("typical_p", "typical sampling")):
         f.reject_if_set(key, why)
     f.int("best_of", None, lo=1, hi=1)
+    adapter = f.str("adapter_id")       # a LoRA adapter's name (serving/lora_routes.py)
+    if adapter is not None and adapter not in limits.model_names:
+        raise bad("parameters.adapter_id", f"no adapter {_short(adapter)} is loaded; available: "
+                  f"{', '.join(limits.model_names[1:]) or 'none'}", code="model_not_found")
     temperature = f.num("temperature", None)
     if temperature is not None and temperature <= 0:
         raise bad("parameters.temperature", f"must be strictly positive, got {temperature}")
@@ -608,7 +612,7 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
         stop=f.stop("stop"),
         logprobs=(top_n or 0) if want_logprobs else None,
     )
-    return GenRequest("tgi", limits.model_names[0], ids, inputs, params, stream=stream,
+    return GenRequest("tgi", adapter or limits.model_names[0], ids, inputs, params, stream=stream,
                       top_logprobs=top_n, tgi_details=details,
                       return_full_text=f.bool("return_full_text", False))
 

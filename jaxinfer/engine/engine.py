@@ -144,6 +144,7 @@ class Engine:
         from jaxinfer.engine.speculative import make_speculator
         self.speculator = make_speculator(config)
         self.ladders = self._ladders()
+        self.loras = self._lora_registry()
         self.num_host_pages = host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
         if meshes and _num_processes() > 1:
@@ -171,12 +172,49 @@ class Engine:
         bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching,
                           num_host_pages=self.num_host_pages, record_freed=c.debug_poison_freed_pages)
         sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
-                          prefill_shapes=self.ladders.prefill_shapes)
+                          prefill_shapes=self.ladders.prefill_shapes,
+                          max_loras=c.max_loras if self.loras else None)
+        lora = None
+        if self.loras is not None:
+            from jaxinfer.engine.lora_device import LoraSlots
+            lora = LoraSlots(self.model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
         runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
-                             mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps)
+                             mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps,
+                             lora=lora)
         if bm.host.num_slots or c.debug_poison_freed_pages:
             runner.enable_page_moves(bm.host.num_slots)
         return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)
+
+    def _lora_registry(self) -> Any:
+        """Multi-LoRA's adapter registry with ``lora_modules`` loaded, or None (LoRA off)."""
+        if not self.config.enable_lora:
+            return None
+        if _num_processes() > 1:
+            raise ValueError("enable_lora: LoRA adapters run in one process for now (followers "
+                             "would not receive the adapters' weights)")
+        from jaxinfer.engine.lora import LoraRegistry
+
+        return LoraRegistry.from_config(self.model_config, self.config)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter in directory ``path`` under ``name`` (vLLM's
+        /v1/load_lora_adapter); thread-safe, callable while another thread steps.
+        Raises lora.LoraError (a ValueError) naming what is wrong."""
+        self._lora_registry_or_raise().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``: new requests for it are refused; running ones finish."""
+        self._lora_registry_or_raise().remove(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names ([] when LoRA is off)."""
+        return [] if self.loras is None else self.loras.names()
+
+    def _lora_registry_or_raise(self) -> Any:
+        if self.loras is None:
+            from jaxinfer.engine.lora import LoraError
+            raise LoraError("lora: LoRA is not enabled (start with --enable-lora or --lora-modules)")
+        return self.loras
 
     # The first replica's parts, for single-replica callers (benchmarks, tests).
     @property
@@ -289,8 +327,9 @@ class Engine:
         raise ValueError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request; raises ValueError (bad input, too long) or QueueFullError."""
+                    request_id: str | None = None, priority: int = 0, lora: str | None = None) -> str:
+        """Queue a request; raises ValueError (bad input, too long, unknown adapter) or
+        QueueFullError. ``lora``: the name of a loaded LoRA adapter to run it with."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -304,9 +343,15 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         constraints = self._constraints(params) if params.constrained else None
-        seqs = make_sequences(request_id, ids, params, priority=priority)
-        replica = self._pick_replica(seqs[0])
-        self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        lora_id = 0 if lora is None else self._lora_registry_or_raise().acquire(lora)
+        try:
+            seqs = make_sequences(request_id, ids, params, priority=priority, lora_id=lora_id)
+            replica = self._pick_replica(seqs[0])
+            self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        except BaseException:
+            if lora_id:
+                self.loras.release(lora_id)
+            raise
         seeds = [derive_seed(params.seed, i) if params.seed is not None
                  else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
@@ -351,7 +396,13 @@ class Engine:
         rep = self.replicas[req.replica]
         for seq in rep.scheduler.abort(request_id):
             rep.release_row(seq)
+        self._release_lora(req)
         return True
+
+    def _release_lora(self, req: _Request) -> None:
+        """The request is gone: its adapter reference too (an unloaded adapter dies with its last)."""
+        if req.seqs[0].lora_id:
+            self.loras.release(req.seqs[0].lora_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -422,10 +473,13 @@ class Engine:
         """The step's batch; while buckets still compile, in a compiled bucket that holds
         it, else in its own bucket compiled now (engine/warmup.py). A multi-step decode
         (``lookahead``) needs its own bucket's multi-step executable."""
+        lora = rep.runner.lora and rep.runner.lora.assign({e.seq.lora_id for e in sched.scheduled}, self.loras)
         if self.compiler.is_warm:
-            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead)
+            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead,
+                              lora_slot_of=lora)
         ready = None if lookahead else rep.runner.is_compiled
-        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready)
+        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready,
+                           lora_slot_of=lora)
         self.compiler.ensure(rep.runner, batch.bucket)
         return batch
 
@@ -537,6 +591,7 @@ class Engine:
                 req.finished = True
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
+                self._release_lora(req)
         return list(touched.values())
 
     def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
@@ -560,9 +615,13 @@ class Engine:
     # ---- batch API ----------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt, all batched together; outputs in prompt order."""
+                 use_tqdm: bool = False, lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together; outputs in prompt order.
+        ``lora``: an adapter name for every prompt, or one per prompt (None: the base model)."""
         plist = normalize_prompts(prompts)
+        loras = [lora] * len(plist) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(plist):
+            raise ValueError(f"lora: {len(loras)} adapters given for {len(plist)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(plist)
         else:
@@ -571,8 +630,8 @@ class Engine:
                 raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
         ids = []
         try:
-            for p, sp in zip(plist, params):
-                ids.append(self.add_request(p, sp))
+            for p, sp, name in zip(plist, params, loras):
+                ids.append(self.add_request(p, sp, lora=name))
         except Exception:
             for rid in ids:
                 self.abort(rid)

@@ -28,11 +28,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxinfer.config import EngineConfig
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Our weight names an adapter may target (models' weight tables), in layer order.
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-MAX_RANK = 64                # the largest --max-lora-rank (issue 23)
+MAX_RANK = EngineConfig.MAX_LORA_RANK     # the largest --max-lora-rank
 MAX_CONFIG_BYTES = 1 << 20   # adapter_config.json is a few KB
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 _PREFIX = "base_model.model."
@@ -231,6 +233,14 @@ class LoraRegistry:
     already running on it finish with its weights: an adapter lives until its last
     reference (``acquire`` / ``release``, one per request) is gone."""
 
+    @classmethod
+    def from_config(cls, cfg: Any, config: Any) -> "LoraRegistry":
+        """The registry of an engine (config: EngineConfig) with its ``lora_modules`` loaded."""
+        reg = cls(cfg, config.max_lora_rank, config.max_cpu_loras)
+        for name, path in config.lora_modules:
+            reg.load(name, path)
+        return reg
+
     def __init__(self, cfg: Any, max_rank: int, max_adapters: int):
         self.cfg = cfg
         self.max_rank = max_rank
@@ -273,14 +283,6 @@ class LoraRegistry:
                 del self._by_id[adapter.lora_id]
             return adapter
 
-    def get(self, name: str) -> LoraAdapter:
-        with self._lock:
-            adapter = self._by_name.get(name)
-        if adapter is None:
-            raise LoraError(f"lora: no adapter named {name!r:.80} is loaded"
-                            + (f" (loaded: {', '.join(self.names())})" if self._by_name else ""))
-        return adapter
-
     def by_id(self, lora_id: int) -> LoraAdapter:
         with self._lock:
             return self._by_id[lora_id]
@@ -289,9 +291,17 @@ class LoraRegistry:
         with self._lock:
             return list(self._by_name)
 
-    def acquire(self, lora_id: int) -> None:
+    def acquire(self, name: str) -> int:
+        """A reference to the adapter loaded as ``name`` (one per request) -> its lora_id;
+        LoraError when no such adapter is loaded."""
         with self._lock:
-            self._refs[lora_id] = self._refs.get(lora_id, 0) + 1
+            adapter = self._by_name.get(name) if isinstance(name, str) else None
+            if adapter is not None:
+                self._refs[adapter.lora_id] = self._refs.get(adapter.lora_id, 0) + 1
+                return adapter.lora_id
+        loaded = self.names()
+        raise LoraError(f"lora: no adapter named {name!r:.80} is loaded"
+                        + (f" (loaded: {', '.join(loaded)})" if loaded else ""))
 
     def release(self, lora_id: int) -> None:
         """One reference fewer; an unloaded adapter is dropped with its last one."""

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding as shd
-from jaxinfer.engine.lora import LoraAdapter, LoraTarget, lora_targets
+from jaxinfer.engine.lora import LoraAdapter, LoraRegistry, LoraTarget, SlotTable, lora_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,7 @@ class LoraSlots:
         self.cfg, self.num_slots, self.rank, self.mesh = cfg, num_slots, rank, mesh
         self.dtype = jnp.dtype(dtype)
         self.tp = shd.tp_size(mesh)
+        self.table = SlotTable(num_slots)
         self.targets: dict[str, LoraTarget] = {t.path: t for t in lora_targets(run_cfg).values()}
         width = num_slots * rank
         shapes = {p: ((t.shape[0], width), (width, t.shape[1])) for p, t in self.targets.items()}
@@ -138,6 +139,14 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for ab in self.arrays.values() for a in ab)
+
+    def assign(self, lora_ids: set[int], registry: LoraRegistry) -> dict[int, int]:
+        """Slots for a step's adapters (lora_id -> slot; 0 -> 0), copying in those not
+        resident (least recently used out)."""
+        slot_of, loads = self.table.assign(lora_ids)
+        for slot, lora_id in loads:
+            self.write(slot, registry.by_id(lora_id))
+        return slot_of
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` into ``slot`` (1..num_slots): its targets rank-padded, the rest zeros."""
@@ -165,7 +174,7 @@ class LoraSlots:
 
     def specs(self) -> dict[str, tuple[Any, Any]]:
         """PartitionSpecs of the arrays (shard_map's in_specs)."""
-        return {p: tuple(sh.spec for sh in self.shardings[p]) for p in self.targets}
+        return {p: tuple(shd.P() if sh is None else sh.spec for sh in self.shardings[p]) for p in self.targets}
 
 
 def _write_slot(arrays: dict, slot: jax.Array, new: dict, *, rank: int) -> dict:

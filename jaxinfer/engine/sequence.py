@@ -59,6 +59,9 @@ class Sequence:
     # Chain hashes of this sequence's full pages (block manager, prefix caching). Tokens
     # are append-only, so a full page's hash never changes, even across preemptions.
     page_hashes: list[int] = field(default_factory=list)
+    # The LoRA adapter this sequence runs with (engine/lora.py LoraAdapter.lora_id, unique
+    # per load), 0 = the base model. Part of its prefix-cache hash chain.
+    lora_id: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,10 +117,11 @@ def derive_seed(seed: int | None, index: int) -> int:
 
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                   priority: int = 0, arrival_time: float | None = None) -> list[Sequence]:
+                   priority: int = 0, arrival_time: float | None = None, lora_id: int = 0) -> list[Sequence]:
     """The ``params.n`` sequences of one request (prompt list shared read-only)."""
     t = time.monotonic() if arrival_time is None else arrival_time
     prompt = list(prompt_token_ids)
     return [Sequence(seq_id=next_seq_id(), request_id=request_id, prompt_token_ids=prompt,
-                     params=params, sample_index=i, priority=priority, arrival_time=t)
+                     params=params, sample_index=i, priority=priority, arrival_time=t,
+                     lora_id=lora_id)
             for i in range(params.n)]

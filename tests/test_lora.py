@@ -461,3 +461,62 @@ def test_prefix_hash_differs_per_adapter():
     sp = SamplingParams(max_tokens=4)
     chains = [bm._hashes(make_sequences("r", list(range(40)), sp, lora_id=i)[0], 2) for i in (0, 1, 2)]
     assert len({tuple(c) for c in chains}) == 3
+
+
+# ------------------------------------------------------------------ HTTP
+
+def test_serving_routes(engine, tiny, tmp_path):
+    """Adapters over HTTP: /v1/models lists them (parent: the base model); model=<adapter>
+    (OpenAI) and adapter_id (TGI) give the engine's own tokens for that adapter; load /
+    unload routes, with bad directories and unknown names refused in the API's error shape."""
+    import httpx
+
+    from jaxinfer.engine.async_engine import AsyncEngine
+    from mock_engine import serve_in_thread
+    from serving.app import build_app
+
+    d, _, _ = tiny
+    ids = prompts(1, len(engine.tokenizer), lens=(19,))[0]     # ids the server's tokenizer knows
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = {n: engine.generate([ids], sp, lora=n)[0].outputs[0].text for n in ("a2", None)}
+    bad_dir = _copy(f"{d}/a2", str(tmp_path / "pickled"))
+    os.rename(os.path.join(bad_dir, LR.WEIGHTS_FILE), os.path.join(bad_dir, "adapter_model.bin"))
+    aeng = AsyncEngine(engine)
+    try:
+        with serve_in_thread(build_app(aeng)) as url, httpx.Client(base_url=url, timeout=120) as http:
+            models = http.get("/v1/models").json()["data"]
+            base = models[0]["id"]
+            assert [(m["id"], m["parent"]) for m in models] == [(base, None)] + [
+                (n, base) for n in engine.lora_names()]
+
+            def complete(model):
+                return http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True})
+
+            r = complete("a2")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want["a2"]
+            assert complete(base).json()["choices"][0]["text"] == want[None]
+            r = http.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": "nope"}})
+            assert r.status_code == 422 and "adapter_id" in r.json()["error"]
+            r = complete("nope")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": bad_dir})
+            assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "p"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "b2", "lora_path": f"{d}/a2"})
+            assert r.status_code == 200, r.text
+            assert "b2" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert complete("b2").json()["choices"][0]["text"] == want["a2"]
+            tgi = http.post("/generate", json={"inputs": engine.tokenizer.decode(ids), "parameters": {
+                "adapter_id": "b2", "max_new_tokens": 4}})
+            assert tgi.status_code == 200, tgi.text
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code == 200
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+            r = complete("b2")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        asyncio.run(aeng.shutdown())

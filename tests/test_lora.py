@@ -557,3 +557,46 @@ def test_tensor_and_data_parallel(tmp_path):
     for b in plain:
         for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
             assert with_lora[b][op] == plain[b][op], (b, op, with_lora[b][op], plain[b][op])
+
+
+# ------------------------------------------------------------------ the default model
+
+@pytest.mark.slow
+def test_default_model_adapter_matches_peft_merged(tmp_path, default_gguf_path):
+    """SmolLM2 (transformers' own GGUF reader, as tests/test_default_model.py) with a random
+    rank-16 PEFT adapter on all seven targets: greedy tokens equal the PEFT-merged model's and
+    every sampled position's logits are within 1e-4 of its (relative to the largest, as the
+    default model's own oracle measures), alone and next to a base request."""
+    from test_default_model import hf_default_model
+
+    from jaxinfer.engine.engine import Engine
+    from test_engine import DEFAULT_MODEL_ENGINE_KW
+
+    hf = hf_default_model()
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=ALL, init_lora_weights=False)
+    model = peft.get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained(str(tmp_path / "ad"))
+    merged = model.merge_and_unload().eval()
+    eng = Engine(lora_modules={"ad": str(tmp_path / "ad")}, max_loras=1, max_lora_rank=16,
+                 progress=False, **DEFAULT_MODEL_ENGINE_KW)
+    tok = eng.tokenizer
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a haiku about the sea."}]]
+    base_toks = None
+    for msgs in chats:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        toks, logits = engine_logits(eng, ids, 12, "ad")
+        assert toks == hf_greedy(merged, ids, 12)
+        ref = hf_logits(merged, ids, toks)
+        rel = np.abs(logits - ref).max() / np.abs(ref).max()
+        assert rel < 1e-4, rel
+        base_toks = eng.generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+        assert base_toks != toks, "the adapter should change the default model's reply"
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    pair = eng.generate([ids, ids], sp, lora=["ad", None])
+    assert [o.outputs[0].token_ids for o in pair] == [toks, base_toks]

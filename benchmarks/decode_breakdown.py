@@ -34,7 +34,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
     import jax.numpy as jnp
 
     import latency as LAT
-    import jaxinfer.attention.dispatch as D
+    import jaxinfer.matmul as D
     import jaxinfer.attention.xla as X
     import pallas_kernels.cpu_attention as CA
     from jaxinfer import Engine
@@ -42,7 +42,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
     from jaxinfer.loading import load_model
 
     if variant != "full":
-        D.select_matmul = lambda *a, **k: (lambda x, w: jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+        D.select = lambda *a, **k: (lambda x, w: jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
                                            + x[:, :1])
     if variant == "no-matmul-no-attention":
         X.ragged_paged_attention = CA.ragged_paged_attention = lambda q, *a, **k: q

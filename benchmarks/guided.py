@@ -40,7 +40,7 @@ def decode_ms_per_step(eng, batch: int, params) -> tuple[float, int]:
     times = []
     while eng.has_unfinished():
         sched_decode = all(s.num_computed_tokens >= s.num_prompt_tokens
-                           for r in ids if r in eng._requests for s in eng._requests[r].seqs)
+                           for r in ids if r in eng.output.requests for s in eng.output.requests[r].seqs)
         t0 = time.perf_counter()
         eng.step()
         if sched_decode:

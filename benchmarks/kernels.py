@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from jaxinfer.models import layers as L  # noqa: E402
+from jaxinfer import matmul as routing  # noqa: E402
 from pallas_kernels import cpu_f32_matmul, cpu_matmul  # noqa: E402
 from pallas_kernels.quantized_matmul import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
                                              quantized_matmul_xla)
@@ -360,7 +360,7 @@ def cpu_f32(args) -> None:
               for _ in range(c["layers"])]
     head = jnp.asarray(0.02 * rng.standard_normal((c["hidden"], c["vocab"])), jnp.float32)
     nbytes = sum(w.size * 4 for layer in layers for w in layer) + head.size * 4
-    mms = {"XLA dot": _mm_f32, "XLA tiled (invariant)": lambda x, w: L.xla_matmul(x, w, True),
+    mms = {"XLA dot": _mm_f32, "XLA tiled (invariant)": lambda x, w: routing.xla_matmul(x, w, True),
            "f32 kernel": cpu_f32_matmul.f32_matmul}
     print(f"\nf32 C++ kernel, SmolLM2-135M decode pass: all {7 * c['layers'] + 1} matmuls of "
           f"one step ({nbytes / 1e6:.0f} MB of f32 weights), no attention")

@@ -36,6 +36,50 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Bound:
+    """A numeric request field's range, declared once: ``SamplingParams`` enforces it, the
+    HTTP parsers read it, and the server's OpenAPI schema publishes it."""
+
+    integer: bool
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False            # lo itself excluded
+    note: str = ""                   # what special values mean
+
+    def ok(self, v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
+            return False
+        if not self.integer and not math.isfinite(v):
+            return False
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        return lo_ok and (self.hi is None or v <= self.hi)
+
+    def text(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        lo, hi = _num_text(self.lo), _num_text(self.hi)
+        if self.lo is not None and self.hi is not None:
+            rng = f" in {'(' if self.lo_open else '['}{lo}, {hi}]"
+        elif self.lo is not None:
+            rng = f" {'>' if self.lo_open else '>='} {lo}"
+        else:
+            rng = f" <= {hi}" if self.hi is not None else ""
+        return kind + rng + (f" ({self.note})" if self.note else "")
+
+    def schema(self) -> dict[str, Any]:
+        """JSON-schema keywords for this range."""
+        out: dict[str, Any] = {"type": "integer" if self.integer else "number"}
+        if self.lo is not None:
+            out["exclusiveMinimum" if self.lo_open else "minimum"] = self.lo
+        if self.hi is not None:
+            out["maximum"] = self.hi
+        return out
+
+
+def _num_text(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Rotary frequency scaling. Only ``llama3`` (Llama 3.1+) and ``linear`` are supported."""
 
@@ -266,6 +310,14 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_CACHE_SALT_CHARS = 1024
+    # The numeric fields' ranges (Bound); min_tokens is also capped by max_tokens.
+    BOUNDS = {
+        "n": Bound(True, 1), "max_tokens": Bound(True, 1), "temperature": Bound(False, 0, note="0: greedy"),
+        "top_p": Bound(False, 0, 1, lo_open=True), "top_k": Bound(True, -1, note="0 or -1: disabled"),
+        "min_p": Bound(False, 0, 1), "repetition_penalty": Bound(False, 0, lo_open=True),
+        "presence_penalty": Bound(False, -2, 2), "frequency_penalty": Bound(False, -2, 2),
+        "logprobs": Bound(True, 0, MAX_LOGPROBS), "min_tokens": Bound(True, 0),
+    }
 
     def __post_init__(self) -> None:
         # Accept lists / single strings for convenience but store tuples (hashable, frozen).
@@ -275,25 +327,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _num = (int, float)
-        _require(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
-                 "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-                 and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(isinstance(self.temperature, _num) and math.isfinite(self.temperature)
-                 and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
-        _require(isinstance(self.top_p, _num) and 0 < self.top_p <= 1, "top_p",
-                 f"must be in (0, 1], got {self.top_p!r}")
-        _require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-                 and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _require(isinstance(self.min_p, _num) and 0 <= self.min_p <= 1, "min_p",
-                 f"must be in [0, 1], got {self.min_p!r}")
-        _require(isinstance(self.repetition_penalty, _num) and math.isfinite(self.repetition_penalty)
-                 and self.repetition_penalty > 0, "repetition_penalty",
-                 f"must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, bound in self.BOUNDS.items():
             v = getattr(self, name)
-            _require(isinstance(v, _num) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+            if not (name == "logprobs" and v is None):
+                _require(bound.ok(v), name, f"must be {bound.text()}, got {v!r:.80}")
         _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                  "seed", f"must be an integer or None, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
@@ -304,9 +341,6 @@ class SamplingParams:
                  and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS), "cache_salt",
                  f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters or None, "
                  f"got {self.cache_salt!r:.80}")
-        _require(self.logprobs is None or (isinstance(self.logprobs, int)
-                 and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
-                 f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         self._check_constraints()
 
     def _check_constraints(self) -> None:
@@ -325,8 +359,7 @@ class SamplingParams:
                  "token ids must be >= 0 and biases numbers in [-100, 100]")
         _require(len({i for i, _ in bias}) == len(bias), "logit_bias", "a token id appears twice")
         object.__setattr__(self, "logit_bias", bias)
-        _require(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
-                 and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _require(self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
         _require(len(words) <= G.MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in words),

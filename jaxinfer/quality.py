@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from jaxinfer.models import layers as L
+from jaxinfer import matmul as M
 from jaxinfer.reference import PAGE, paged_contiguous_attention
 
 
@@ -34,7 +34,7 @@ def _tail_logits(graphdef, state, tokens, n, *, count: int, kv_int8: bool):
                        "int8" if kv_int8 else model.dtype)
     cache = allocate_kv_cache(spec)
     idx = n - count + jnp.arange(count, dtype=jnp.int32)
-    logits, _ = model(tokens, positions, cache, attn, idx, L.matmul)
+    logits, _ = model(tokens, positions, cache, attn, idx, M.matmul)
     return logits
 
 

@@ -6,7 +6,7 @@ channel, or int4 packed two per byte with one scale per group of rows along K. T
 embedding table stays in the model dtype (it is gathered, not multiplied). The model's
 ``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU int8 goes
 to the C++ kernel (pallas_kernels/cpu_matmul.py; weights packed in its panels
-here) and int4 to XLA (dequantize, then the dot; see layers.matmul).
+here) and int4 to XLA (dequantize, then the dot; see jaxinfer/matmul.py).
 
 Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout
 (K-packed nibbles, f32 scales per group), and our matmuls are one explicit hook rather
@@ -52,7 +52,7 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     bits = check_mode(mode)
     if bits is None:
         return model
-    from jaxinfer.attention.dispatch import pack_for_backend
+    from jaxinfer.matmul import pack_for_backend
     from pallas_kernels.quantized_matmul import quantize
 
     group = int4_group(model.cfg) if bits == 4 else 0
@@ -99,7 +99,7 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
 
 
 def _f32_kernel_weight(w) -> bool:
-    from jaxinfer.models.layers import f32_kernel_applies
+    from jaxinfer.matmul import f32_kernel_applies
 
     return not hasattr(w, "scales") and f32_kernel_applies(w)
 
@@ -115,7 +115,7 @@ def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
       reads without the per-call copy: the same bits, 15-40% faster at decode batch sizes.
 
     Single-device models only (a fused or panelled weight would shard differently)."""
-    from jaxinfer.models.layers import f32_kernel_applies
+    from jaxinfer.matmul import f32_kernel_applies
     from pallas_kernels.cpu_f32_matmul import panel
 
     w = model.layers[0].wq[...]

@@ -28,6 +28,7 @@ from jaxinfer.attention.contiguous import contiguous_attention
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
+from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
 
@@ -89,7 +90,7 @@ def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
         attn = paged_contiguous_attention(positions, kv_lens, max_len, cfg)
     else:
         attn = contiguous_attention(positions, B, seq, cfg)
-    mm = L.tiled_matmul if invariant else L.matmul
+    mm = M.tiled_matmul if invariant else M.matmul
     logits, cache = model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index, mm)
     out = S.sample(logits, t, num_logprobs, prompt_mask=prompt_mask, output_counts=counts)
     counts = counts.at[jnp.arange(B), out.token_ids].add(1)
@@ -202,6 +203,6 @@ class ReferenceGenerator:
         else:
             max_len = n
             attn = contiguous_attention(positions, 1, n, self.cfg)
-        mm = L.tiled_matmul if self.invariant else L.matmul
+        mm = M.tiled_matmul if self.invariant else M.matmul
         logits, _ = model(tokens[0], positions[0], self._cache(1, max_len), attn, None, mm)
         return np.asarray(logits)

@@ -4,7 +4,7 @@ XLA:CPU picks its dot kernel by the number of rows and each sums over K in its o
 so the batch-invariant engine had to run every dot in fixed 32-row tiles (slow at batch 1).
 This kernel computes every output as one k-ordered FMA chain whatever M, tile or thread,
 so it is bitwise batch-invariant by construction (see the .cc header) and serves both the
-plain and the batch-invariant engine: layers.matmul / tiled_matmul route float32 weights
+plain and the batch-invariant engine: jaxinfer/matmul.py routes float32 weights
 here on the CPU backend. Weights are read in their stored [K, N] layout, or in the
 panel-major layout of ``panel`` (a ``PanelledF32``), which the kernel reads without
 copying: the engine lays a single-device model's weights out so at load time

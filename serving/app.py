@@ -51,7 +51,16 @@ from jaxinfer.config import RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
 from serving import guard
 from serving import lora_routes
-from serving import protocol as P
+from serving.errors import ProtocolError, openai_error_body, tgi_error_body
+from serving.fields import MAX_STOP, Limits, short
+from serving.jsonio import dumps, parse_json_body
+from serving.openai_request import parse_chat_request, parse_completion_request
+from serving.openai_response import OpenAIStreamer, chat_response, completion_response
+from serving.openapi import openapi_schema
+from serving.request import GenRequest
+from serving.tgi_request import parse_tgi_request
+from serving.tgi_response import TGIStreamer, tgi_response
+from serving.token_texts import TokenTexts
 from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
 
 log = logging.getLogger("jaxinfer.serving")
@@ -113,8 +122,8 @@ class ServerState:
     load_task: asyncio.Task | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     metrics: ServingMetrics = field(init=False)
-    _limits: P.Limits | None = field(default=None, init=False)
-    _texts: P.TokenTexts | None = field(default=None, init=False)
+    _limits: Limits | None = field(default=None, init=False)
+    _texts: TokenTexts | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServingMetrics(lambda: self.engine, self.metric_model_name)
@@ -141,32 +150,32 @@ class ServerState:
             # The load error's text (paths, library messages) stays in the server log.
             msg = ("the engine failed to load; see the server log" if self.load_error
                    else "the model is still loading; retry shortly")
-            raise P.ProtocolError(msg, status=503, code="not_ready", headers=retry)
+            raise ProtocolError(msg, status=503, code="not_ready", headers=retry)
         if e.is_dead:
-            raise P.ProtocolError("the engine has stopped; this server cannot serve requests",
+            raise ProtocolError("the engine has stopped; this server cannot serve requests",
                                   status=503, code="engine_dead")
         if not e.is_ready:
-            raise P.ProtocolError("the engine is warming up; retry shortly", status=503,
+            raise ProtocolError("the engine is warming up; retry shortly", status=503,
                                   code="not_ready", headers=retry)
         return e
 
-    def limits(self, engine: EngineLike) -> P.Limits:
+    def limits(self, engine: EngineLike) -> Limits:
         if self._limits is None:
             tok = engine.tokenizer
             try:
                 vocab = len(tok)
             except TypeError:
                 vocab = getattr(tok, "vocab_size", None)
-            self._limits = P.Limits(self.model_names(), int(engine.max_model_len),
+            self._limits = Limits(self.model_names(), int(engine.max_model_len),
                                     max(1, min(self.max_n, int(engine.max_num_seqs))), vocab)
         names = self.all_model_names()
         if names != self._limits.model_names:       # adapters were loaded or unloaded
             self._limits = dataclasses.replace(self._limits, model_names=names)
         return self._limits
 
-    def texts(self, engine: EngineLike) -> P.TokenTexts:
+    def texts(self, engine: EngineLike) -> TokenTexts:
         if self._texts is None:
-            self._texts = P.TokenTexts(engine.tokenizer)
+            self._texts = TokenTexts(engine.tokenizer)
         return self._texts
 
     async def load(self) -> None:
@@ -197,7 +206,7 @@ class ServerState:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                                  self.api_key.encode()):
-            raise P.ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>'",
+            raise ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   status=401, code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
 
@@ -227,23 +236,23 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
 # ------------------------------------------------------------------ responses
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(P.dumps(body), status_code=status, headers=headers, media_type="application/json")
+    return Response(dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 # The TGI routes answer in TGI's error shape, also for errors raised before a handler runs.
 TGI_PATHS = frozenset({"/generate", "/generate_stream", "/info"})
 
 
-def error_response(e: P.ProtocolError, tgi: bool = False) -> Response:
+def error_response(e: ProtocolError, tgi: bool = False) -> Response:
     if tgi:
         kind = {401: "authentication", 500: "generation", 503: "overloaded"}.get(e.status, "validation")
         status = 422 if e.status == 400 else e.status     # TGI answers every bad input with 422
-        return json_response(P.tgi_error_body(e.message, kind), status, e.headers)
-    return json_response(P.openai_error_body(e.message, e.err_type, e.param, e.code), e.status, e.headers)
+        return json_response(tgi_error_body(e.message, kind), status, e.headers)
+    return json_response(openai_error_body(e.message, e.err_type, e.param, e.code), e.status, e.headers)
 
 
 def sse(obj: Any) -> bytes:
-    return b"data: " + P.dumps(obj) + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 class SSEResponse:
@@ -316,13 +325,13 @@ async def read_body(request: Request, limit: int, timeout_s: float = guard.DEFAU
         async with asyncio.timeout(timeout_s):
             return await _read_body(request, limit)
     except TimeoutError:
-        raise P.ProtocolError(f"the request body was not received in full within {timeout_s:g} s",
+        raise ProtocolError(f"the request body was not received in full within {timeout_s:g} s",
                               status=408, code="request_timeout",
                               headers={"Connection": "close"}) from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    too_big = P.ProtocolError(f"request body is larger than the limit of {limit} bytes",
+    too_big = ProtocolError(f"request body is larger than the limit of {limit} bytes",
                               status=413, code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit * _DRAIN_FACTOR:
@@ -351,7 +360,7 @@ async def close_gen(gen: Any) -> None:
 
 # ------------------------------------------------------------------ generation
 
-async def _first_output(gen: Any, req: P.GenRequest) -> RequestOutput:
+async def _first_output(gen: Any, req: GenRequest) -> RequestOutput:
     """The engine's first output; its up-front ValueError (bad input) becomes a 4xx."""
     try:
         return await gen.__anext__()
@@ -359,7 +368,7 @@ async def _first_output(gen: Any, req: P.GenRequest) -> RequestOutput:
         msg = str(e)
         head, sep, _ = msg.partition(":")
         param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
-        raise P.ProtocolError(msg, param=param, status=422 if req.kind == "tgi" else 400) from None
+        raise ProtocolError(msg, param=param, status=422 if req.kind == "tgi" else 400) from None
     except StopAsyncIteration:
         raise RuntimeError("engine.generate ended without any output") from None
 
@@ -375,7 +384,7 @@ async def _collect(gen: Any, first: RequestOutput, tracker: RequestTracker) -> R
     return last
 
 
-def _trace_hook(st: ServerState, request: Request, req: P.GenRequest,
+def _trace_hook(st: ServerState, request: Request, req: GenRequest,
                 received: float) -> Callable[[RequestOutput | None, bool], None] | None:
     tracing = st.tracing
     if tracing is None:
@@ -387,7 +396,7 @@ def _trace_hook(st: ServerState, request: Request, req: P.GenRequest,
 
 
 async def run_generation(request: Request, st: ServerState, engine: EngineLike,
-                         req: P.GenRequest, received: float | None = None) -> Response:
+                         req: GenRequest, received: float | None = None) -> Response:
     tgi = req.kind == "tgi"
     received = time.monotonic() if received is None else received
     tracker = st.metrics.tracker(_trace_hook(st, request, req, received))
@@ -416,12 +425,12 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
         await close_gen(gen)
     tracker.finish(final)
     if not final.finished or any(o.finish_reason == "abort" for o in final.outputs):
-        raise P.ProtocolError("the request was aborted by the server (shutting down?)", status=503,
+        raise ProtocolError("the request was aborted by the server (shutting down?)", status=503,
                               code="aborted", headers={"Retry-After": str(st.retry_after_s)})
     texts = st.texts(engine)
     if tgi:
-        return json_response(P.tgi_response(req, final, texts, set(engine.tokenizer.eos_token_ids)))
-    shape = P.chat_response if req.kind == "chat" else P.completion_response
+        return json_response(tgi_response(req, final, texts, set(engine.tokenizer.eos_token_ids)))
+    shape = chat_response if req.kind == "chat" else completion_response
     return json_response(shape(req, final, texts))
 
 
@@ -432,7 +441,7 @@ async def _outputs(gen: Any, first: RequestOutput) -> AsyncIterator[RequestOutpu
         yield out
 
 
-def _stream_failure(st: ServerState, req: P.GenRequest, e: Exception) -> tuple[str, str]:
+def _stream_failure(st: ServerState, req: GenRequest, e: Exception) -> tuple[str, str]:
     """After the headers are out, an error can only be reported in the stream: say what."""
     if isinstance(e, EngineDeadError):
         log.error("engine died while streaming request %s: %s", req.request_id, e)
@@ -442,9 +451,9 @@ def _stream_failure(st: ServerState, req: P.GenRequest, e: Exception) -> tuple[s
     return "internal error while streaming", "internal_error"
 
 
-async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest, gen: Any,
+async def _stream_openai(st: ServerState, engine: EngineLike, req: GenRequest, gen: Any,
                          first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
-    streamer = P.OpenAIStreamer(req, st.texts(engine))
+    streamer = OpenAIStreamer(req, st.texts(engine))
     last, completed = first, False
     try:
         async for out in _outputs(gen, first):
@@ -463,7 +472,7 @@ async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest,
         completed = True
         tracker.finish(last, aborted=True)
         msg, code = _stream_failure(st, req, e)
-        yield sse(P.openai_error_body(msg, "server_error", None, code))
+        yield sse(openai_error_body(msg, "server_error", None, code))
         yield b"data: [DONE]\n\n"
     finally:
         if not completed:
@@ -471,9 +480,9 @@ async def _stream_openai(st: ServerState, engine: EngineLike, req: P.GenRequest,
         await close_gen(gen)
 
 
-async def _stream_tgi(st: ServerState, engine: EngineLike, req: P.GenRequest, gen: Any,
+async def _stream_tgi(st: ServerState, engine: EngineLike, req: GenRequest, gen: Any,
                       first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
-    streamer = P.TGIStreamer(req, st.texts(engine), set(engine.tokenizer.eos_token_ids))
+    streamer = TGIStreamer(req, st.texts(engine), set(engine.tokenizer.eos_token_ids))
     last, completed = first, False
     try:
         async for out in _outputs(gen, first):
@@ -489,7 +498,7 @@ async def _stream_tgi(st: ServerState, engine: EngineLike, req: P.GenRequest, ge
         completed = True
         tracker.finish(last, aborted=True)
         msg, _ = _stream_failure(st, req, e)
-        yield sse(P.tgi_error_body(msg, "generation"))
+        yield sse(tgi_error_body(msg, "generation"))
     finally:
         if not completed:
             tracker.finish(last, aborted=True)
@@ -510,14 +519,14 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
             if auth:
                 st.check_auth(request)
             return await handler(request, st)
-        except P.ProtocolError as e:
+        except ProtocolError as e:
             return error_response(e, tgi)
         except QueueFullError as e:
-            return error_response(P.ProtocolError(
+            return error_response(ProtocolError(
                 f"the server is at capacity ({e or 'waiting queue full'}); retry later", status=503,
                 code="queue_full", headers={"Retry-After": str(st.retry_after_s)}), tgi)
         except EngineDeadError:
-            return error_response(P.ProtocolError(
+            return error_response(ProtocolError(
                 "the engine has stopped; this server cannot serve requests", status=503,
                 code="engine_dead"), tgi)
         except ClientGone:
@@ -525,36 +534,36 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
         except Exception:
             st.internal_errors += 1
             log.exception("internal error on %s %s", request.method, request.url.path)
-            return error_response(P.ProtocolError("internal server error", status=500,
+            return error_response(ProtocolError("internal server error", status=500,
                                                   code="internal_error"), tgi)
 
     return run
 
 
-async def _gen_route(request: Request, st: ServerState, parse: Callable[..., P.GenRequest]) -> Response:
+async def _gen_route(request: Request, st: ServerState, parse: Callable[..., GenRequest]) -> Response:
     received = time.monotonic()
     engine = st.ready_engine()
     guard.require_json(request.headers.get("content-type"))
-    body = P.parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
+    body = parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
     # Tokenizing and chat templating take milliseconds per long prompt: off the event loop.
     req = await asyncio.to_thread(parse, body, st.limits(engine), engine.tokenizer)
     return await run_generation(request, st, engine, req, received)
 
 
 async def completions(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, P.parse_completion_request)
+    return await _gen_route(request, st, parse_completion_request)
 
 
 async def chat_completions(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, P.parse_chat_request)
+    return await _gen_route(request, st, parse_chat_request)
 
 
 async def tgi_generate(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, lambda b, lim, tok: P.parse_tgi_request(b, lim, tok, stream=False))
+    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=False))
 
 
 async def tgi_generate_stream(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, lambda b, lim, tok: P.parse_tgi_request(b, lim, tok, stream=True))
+    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=True))
 
 
 def _model_card(st: ServerState, name: str, parent: str | None = None) -> dict:
@@ -576,7 +585,7 @@ async def _lora_route(request: Request, st: ServerState, handler: Callable[..., 
     engine = st.ready_engine()
     guard.require_json(request.headers.get("content-type"))
     limit = min(st.max_body_bytes, lora_routes.MAX_BODY_BYTES)
-    return await handler(st, engine, P.parse_json_body(await read_body(request, limit, st.read_timeout_s)))
+    return await handler(st, engine, parse_json_body(await read_body(request, limit, st.read_timeout_s)))
 
 
 async def list_models(request: Request, st: ServerState) -> Response:
@@ -588,7 +597,7 @@ async def list_models(request: Request, st: ServerState) -> Response:
 async def get_model(request: Request, st: ServerState) -> Response:
     name = request.path_params["model"]
     if name not in st.all_model_names():
-        raise P.ProtocolError(f"model: {P._short(name)} is not served here", param="model", status=404,
+        raise ProtocolError(f"model: {short(name)} is not served here", param="model", status=404,
                               code="model_not_found")
     base = name in st.model_names()
     return json_response(_model_card(st, name, parent=None if base else st.metric_model_name()))
@@ -598,7 +607,7 @@ async def tgi_info(request: Request, st: ServerState) -> Response:
     e = st.ready_engine()
     return json_response({"model_id": st.metric_model_name(), "model_dtype": None,
                           "max_concurrent_requests": e.max_num_seqs, "max_best_of": 1,
-                          "max_stop_sequences": P.MAX_STOP, "max_input_tokens": e.max_model_len - 1,
+                          "max_stop_sequences": MAX_STOP, "max_input_tokens": e.max_model_len - 1,
                           "max_total_tokens": e.max_model_len, "router": "jaxinfer", "version": "0.1.0"})
 
 
@@ -627,7 +636,7 @@ async def metrics(request: Request, st: ServerState) -> Response:
 
 
 async def openapi(request: Request, st: ServerState) -> Response:
-    return json_response(P.openapi_schema())
+    return json_response(openapi_schema())
 
 
 async def chat_page(request: Request, st: ServerState) -> Response:
@@ -642,7 +651,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         detail = f"no route for {request.method} {request.url.path}"
     elif status == 405:
         detail = f"method {request.method} is not allowed on {request.url.path}"
-    return error_response(P.ProtocolError(detail, status=status, code=str(status),
+    return error_response(ProtocolError(detail, status=status, code=str(status),
                                           headers=getattr(exc, "headers", None) or None),
                           tgi=request.url.path in TGI_PATHS)
 
@@ -651,7 +660,7 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     st: ServerState = request.app.state.jx
     st.internal_errors += 1
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(P.ProtocolError("internal server error", status=500, code="internal_error"),
+    return error_response(ProtocolError("internal server error", status=500, code="internal_error"),
                           tgi=request.url.path in TGI_PATHS)
 
 
@@ -730,8 +739,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
 
 def _reject_host(scope: dict, message: str) -> Response:
     if scope.get("path") in TGI_PATHS:     # a bad Host is no bad input: 400, not TGI's 422
-        return json_response(P.tgi_error_body(message, "validation"), 400)
-    return error_response(P.ProtocolError(message, status=400, code="invalid_host"))
+        return json_response(tgi_error_body(message, "validation"), 400)
+    return error_response(ProtocolError(message, status=400, code="invalid_host"))
 
 
 def _middleware(allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[str] | None) -> list[Middleware]:

@@ -23,7 +23,8 @@ from typing import Any, Awaitable, Callable, Iterable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serving import protocol as P
+from serving.errors import ProtocolError, openai_error_body
+from serving.fields import short
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_READ_TIMEOUT_S = 30.0
@@ -75,7 +76,7 @@ class HostGuard:
             name = host_name(raw.decode("latin-1"))
             if name in self.allowed:
                 return await self.app(scope, receive, send)
-            msg = (f"Host {P._short(name)} is not allowed on this server "
+            msg = (f"Host {short(name)} is not allowed on this server "
                    f"(start it with --allowed-hosts to add names)")
         response = self.reject(scope, msg)
         await response(scope, receive, send)
@@ -87,15 +88,15 @@ def require_json(content_type: str | None) -> None:
     """Raise 415 unless the media type is application/json (parameters such as charset allowed)."""
     media = (content_type or "").partition(";")[0].strip().lower()
     if media != "application/json":
-        got = f"'{P._short(media)}'" if media else "none"
-        raise P.ProtocolError(f"Content-Type must be application/json (got {got})",
+        got = f"'{short(media)}'" if media else "none"
+        raise ProtocolError(f"Content-Type must be application/json (got {got})",
                               status=415, code="unsupported_media_type")
 
 
 # ------------------------------------------------------------------ read deadline
 
 def _timeout_response() -> bytes:
-    body = json.dumps(P.openai_error_body("the request was not received in full within the read timeout",
+    body = json.dumps(openai_error_body("the request was not received in full within the read timeout",
                                           "invalid_request_error", None, "request_timeout")).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)

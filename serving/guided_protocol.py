@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.protocol import Fields, Limits, _is_num, _type_name, bad
+from jaxinfer.config import SamplingParams
+from serving.errors import bad
+from serving.fields import Fields, Limits, is_num, type_name
 
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -30,13 +32,13 @@ def openai_constraints(f: Fields, limits: Limits) -> dict[str, Any]:
     bias = logit_bias(f, "logit_bias", limits)
     if bias:
         out["logit_bias"] = bias
-    min_tokens = f.int("min_tokens", 0, lo=0)
+    min_tokens = f.int("min_tokens", 0, bound=SamplingParams.BOUNDS["min_tokens"])
     if min_tokens:
         out["min_tokens"] = min_tokens
     words = f.d.get("bad_words")
     if words is not None:
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise bad(f.name("bad_words"), f"must be an array of strings, got {_type_name(words)}")
+            raise bad(f.name("bad_words"), f"must be an array of strings, got {type_name(words)}")
         out["bad_words"] = tuple(words)
     return out
 
@@ -45,14 +47,14 @@ def _vllm_guided(name: str, key: str, value: Any) -> dict:
     kind = key.removeprefix("guided_")
     if kind == "json":
         if not isinstance(value, (dict, str)):
-            raise bad(name, f"must be a JSON schema (an object or its text), got {_type_name(value)}")
+            raise bad(name, f"must be a JSON schema (an object or its text), got {type_name(value)}")
         return {"json": value}
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise bad(name, "must be a non-empty array of strings")
         return {"choice": value}
     if not isinstance(value, str):
-        raise bad(name, f"must be a string, got {_type_name(value)}")
+        raise bad(name, f"must be a string, got {type_name(value)}")
     return {kind: value}
 
 
@@ -68,10 +70,10 @@ def _response_format(f: Fields) -> dict | None:
     if kind == "json_schema":
         js = fmt.get("json_schema")
         if not isinstance(js, dict):
-            raise bad("response_format.json_schema", f"must be an object, got {_type_name(js)}")
+            raise bad("response_format.json_schema", f"must be an object, got {type_name(js)}")
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
-            raise bad("response_format.json_schema.schema", f"must be an object, got {_type_name(schema)}")
+            raise bad("response_format.json_schema.schema", f"must be an object, got {type_name(schema)}")
         return {"json": schema or {"type": "object"}}
     raise bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}")
 
@@ -81,7 +83,7 @@ def logit_bias(f: Fields, key: str, limits: Limits) -> dict[int, float]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise bad(f.name(key), f"must be an object mapping token ids to biases, got {_type_name(v)}")
+        raise bad(f.name(key), f"must be an object mapping token ids to biases, got {type_name(v)}")
     out: dict[int, float] = {}
     for k, x in v.items():
         try:
@@ -90,7 +92,7 @@ def logit_bias(f: Fields, key: str, limits: Limits) -> dict[int, float]:
             raise bad(f.name(key), f"keys must be token ids, got {k!r:.40}") from None
         if tid < 0 or (limits.vocab_size is not None and tid >= limits.vocab_size):
             raise bad(f.name(key), f"token id {tid} is out of range")
-        if not _is_num(x) or not -100 <= x <= 100:
+        if not is_num(x) or not -100 <= x <= 100:
             raise bad(f.name(key), f"biases must be numbers in [-100, 100], got {x!r:.40} for token {tid}")
         out[tid] = float(x)
     return out
@@ -107,10 +109,10 @@ def tgi_grammar(f: Fields) -> dict[str, Any]:
         if isinstance(value, dict) and kind == "json_schema" and isinstance(value.get("schema"), dict):
             value = value["schema"]
         if not isinstance(value, (dict, str)):
-            raise bad(f"{name}.value", f"must be a JSON schema (an object or its text), got {_type_name(value)}")
+            raise bad(f"{name}.value", f"must be a JSON schema (an object or its text), got {type_name(value)}")
         return {"guided": {"json": value}}
     if kind == "regex":
         if not isinstance(value, str):
-            raise bad(f"{name}.value", f"must be a string, got {_type_name(value)}")
+            raise bad(f"{name}.value", f"must be a string, got {type_name(value)}")
         return {"guided": {"regex": value}}
     raise bad(f"{name}.type", f"must be 'json' or 'regex', got {kind!r:.40}")

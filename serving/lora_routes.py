@@ -17,24 +17,25 @@ from typing import Any
 
 from starlette.responses import PlainTextResponse, Response
 
-from serving import protocol as P
+from serving.errors import ProtocolError, bad
+from serving.fields import Fields, short
 
 MAX_BODY_BYTES = 16 * 1024     # a name and a path
 
 
 def _lora_api(engine: Any) -> Any:
     if not hasattr(engine, "load_lora"):
-        raise P.ProtocolError("this server does not serve LoRA adapters", status=400, code="lora_disabled")
+        raise ProtocolError("this server does not serve LoRA adapters", status=400, code="lora_disabled")
     return engine
 
 
 def _fields(body: dict, *names: str) -> list[str]:
-    f = P.Fields(body)
+    f = Fields(body)
     out = []
     for name in names:
         v = f.str(name)
         if not v:
-            raise P.bad(name, "is required (a non-empty string)")
+            raise bad(name, "is required (a non-empty string)")
         out.append(v)
     return out
 
@@ -44,12 +45,12 @@ async def load_lora_adapter(st: Any, engine: Any, body: dict) -> Response:
     engine = _lora_api(engine)
     name, path = _fields(body, "lora_name", "lora_path")
     if name in st.model_names():
-        raise P.bad("lora_name", f"{P._short(name)} is the base model's name")
+        raise bad("lora_name", f"{short(name)} is the base model's name")
     try:
         await engine.load_lora(name, path)
     except ValueError as e:           # lora.LoraError: bad files, limits, name taken, LoRA off
         msg = str(e)
-        raise P.ProtocolError(msg, param="lora_name" if msg.startswith("lora_name") else "lora_path",
+        raise ProtocolError(msg, param="lora_name" if msg.startswith("lora_name") else "lora_path",
                               code="invalid_lora_adapter") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -61,7 +62,7 @@ async def unload_lora_adapter(st: Any, engine: Any, body: dict) -> Response:
         await engine.unload_lora(name)
     except ValueError as e:
         status = 404 if name not in engine.lora_names() and "not enabled" not in str(e) else 400
-        raise P.ProtocolError(str(e), param="lora_name", status=status, code="lora_adapter_not_found"
+        raise ProtocolError(str(e), param="lora_name", status=status, code="lora_adapter_not_found"
                               if status == 404 else "invalid_lora_adapter") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.engine.guided import JSON_OPTIONS
-from serving.protocol import _type_name, bad
+from serving.errors import bad
+from serving.fields import type_name
 
 MAX_TOOLS = 64
 MAX_TOOLS_CHARS = 64 * 1024        # the tools' JSON, all together
@@ -51,7 +52,7 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise bad("tool_choice", "needs tools")
         return None
     if not isinstance(tools, list):
-        raise bad("tools", f"must be an array of tool objects, got {_type_name(tools)}")
+        raise bad("tools", f"must be an array of tool objects, got {type_name(tools)}")
     if len(tools) > MAX_TOOLS:
         raise bad("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     if len(json.dumps(tools)) > MAX_TOOLS_CHARS:
@@ -66,7 +67,7 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise bad(f"{name}.function.name", "must be 1-64 letters, digits, '_', '-' or '.'")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise bad(f"{name}.function.parameters", f"must be a JSON schema object, got {_type_name(params)}")
+            raise bad(f"{name}.function.parameters", f"must be a JSON schema object, got {type_name(params)}")
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise bad(f"{name}.function.description", "must be a string")
@@ -128,7 +129,7 @@ def assistant_calls_text(calls: Any, name: str) -> str:
     """An assistant message's ``tool_calls`` written back in the model's format (for the
     next turn's prompt)."""
     if not isinstance(calls, list):
-        raise bad(name, f"must be an array, got {_type_name(calls)}")
+        raise bad(name, f"must be an array, got {type_name(calls)}")
     blocks = []
     for i, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None

@@ -24,7 +24,7 @@ def pytest_configure(config):
     import os
     import tempfile
 
-    from jaxinfer.engine.engine import enable_compilation_cache
+    from jaxinfer.engine.resources import enable_compilation_cache
 
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run:

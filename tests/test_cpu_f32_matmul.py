@@ -1,7 +1,7 @@
 """The CPU float32 matmul (pallas_kernels/cpu_f32_matmul.py + cpu/f32_matmul.cc, via
 jax.ffi): values against numpy float64, bitwise batch invariance (a row's bits do not
 depend on the other rows or on M, across the decode and GEMM paths), errors, and that
-layers.matmul / tiled_matmul route float32 weights to it on CPU (bf16 stays with XLA)."""
+jaxinfer/matmul.py routes float32 weights to it on CPU (bf16 stays with XLA)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import layers as L
+from jaxinfer import matmul as routing
 from pallas_kernels import cpu_f32_matmul as F
 
 # Without a compiler the engine keeps XLA's dots (test_without_the_kernel_xla_paths).
@@ -118,13 +118,13 @@ def test_layers_route_f32_weights_to_the_kernel():
     w = jnp.asarray(_rand((96, 40), 6))
     x = jnp.asarray(_rand((45, 96), 7))
     want = np.asarray(F.f32_matmul(x, w))
-    for mm in (L.matmul, L.tiled_matmul):
+    for mm in (routing.matmul, routing.tiled_matmul):
         for T in (1, 2, 45):
             np.testing.assert_array_equal(np.asarray(jax.jit(mm)(x[:T], w)), want[:T])
         hlo = jax.jit(mm).lower(x, w).as_text()
         assert F.TARGET in hlo
     wb, xb = w.astype(jnp.bfloat16), x.astype(jnp.bfloat16)
-    for mm in (L.matmul, L.tiled_matmul):
+    for mm in (routing.matmul, routing.tiled_matmul):
         assert F.TARGET not in jax.jit(mm).lower(xb, wb).as_text()
 
 
@@ -134,14 +134,14 @@ def test_without_the_kernel_xla_paths(monkeypatch):
     # shapes no other test jits layers.matmul with: jit's trace cache would replay the kernel
     w = jnp.asarray(_rand((88, 40), 6))
     x = jnp.asarray(_rand((45, 88), 7))
-    for mm in (L.matmul, L.tiled_matmul):
+    for mm in (routing.matmul, routing.tiled_matmul):
         lowered = jax.jit(mm).lower(x, w).as_text()
         assert F.TARGET not in lowered
         np.testing.assert_allclose(np.asarray(mm(x, w)), np.asarray(x) @ np.asarray(w),
                                    rtol=1e-5, atol=1e-4)
     # tiled_matmul's own invariance (the XLA path): a row alone == the row in the batch
-    np.testing.assert_array_equal(np.asarray(L.tiled_matmul(x[:1], w)),
-                                  np.asarray(L.tiled_matmul(x, w))[:1])
+    np.testing.assert_array_equal(np.asarray(routing.tiled_matmul(x[:1], w)),
+                                  np.asarray(routing.tiled_matmul(x, w))[:1])
 
 
 # Panel-major weights: N a multiple of 16; K odd; a long K; one panel; many panels (units

@@ -168,8 +168,7 @@ def test_without_the_kernel_int8_takes_the_xla_path(monkeypatch):
     import pathlib
 
     from flax import nnx
-    from jaxinfer.attention import dispatch
-    from jaxinfer.models import layers as L
+    from jaxinfer import matmul as M
     from jaxinfer.quantization import cpu_compiler_options, quantize_model
 
     monkeypatch.setattr(C, "available", lambda: False)
@@ -181,8 +180,8 @@ def test_without_the_kernel_int8_takes_the_xla_path(monkeypatch):
     ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
           if isinstance(x, QuantizedWeight)]
     assert ws and all(w.panel == 0 for w in ws)
-    assert dispatch.select_matmul(True, "cpu") is L.tiled_matmul
+    assert M.select(True, "cpu") is M.tiled_matmul
     assert cpu_compiler_options(model) is not None
     w, x = _weight(64, 96), _x(3, 64)
-    np.testing.assert_allclose(np.asarray(L.matmul(x, w)),
+    np.testing.assert_allclose(np.asarray(M.matmul(x, w)),
                                np.asarray(quantized_matmul_reference(x, w)), rtol=1e-5, atol=1e-4)

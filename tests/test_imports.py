@@ -23,8 +23,6 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
      "jaxinfer.models.gpt_config", "jaxinfer.models.layers", "jaxinfer.models.llama",
      "jaxinfer.models.registry"),
     ("jaxinfer.loading", "jaxinfer.loading.checkpoint"),
-    # protocol.py parses guided/tool fields by calling modules that import its helpers
-    ("serving.guided_protocol", "serving.protocol", "serving.tools"),
     # `jaxinfer serve` / `jaxinfer bench serve` start the server that imports the CLI's args
     ("jaxinfer.bench.cli", "jaxinfer.cli", "serving.server"),
 }

@@ -175,7 +175,9 @@ def test_engine_config_defaults_and_cli_flag():
 
 def test_server_reads_cache_salt_and_exports_cache_metrics():
     from serving.metrics import ServingMetrics
-    from serving.protocol import Limits, ProtocolError, parse_completion_request
+    from serving.errors import ProtocolError
+    from serving.openai_request import parse_completion_request
+    from serving.fields import Limits
 
     class Tok:
         def encode(self, text, add_special_tokens=True):

@@ -33,34 +33,34 @@ def test_importing_the_tokenizer_library_without_torch_prints_no_pytorch_warning
 
 
 def test_compilation_cache_on_by_default_and_off_on_request(monkeypatch, tmp_path):
-    from jaxinfer.engine import engine as E
+    from jaxinfer.engine import resources as E
 
     assert EngineConfig().compilation_cache_dir == DEFAULT_COMPILATION_CACHE
     calls = []
     monkeypatch.setattr(E, "enable_compilation_cache", calls.append)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(E, "_configured_cache_dir", lambda: None)
-    E._use_compilation_cache(DEFAULT_COMPILATION_CACHE)
+    E.use_compilation_cache(DEFAULT_COMPILATION_CACHE)
     assert calls == [str(tmp_path / ".cache" / "jaxinfer" / "xla")]
     for off in (None, ""):
-        E._use_compilation_cache(off)
+        E.use_compilation_cache(off)
     assert len(calls) == 1
-    E._use_compilation_cache(str(tmp_path / "mine"))
+    E.use_compilation_cache(str(tmp_path / "mine"))
     assert calls[-1] == str(tmp_path / "mine")
 
 
 def test_default_cache_defers_to_the_process_choice(monkeypatch):
-    from jaxinfer.engine import engine as E
+    from jaxinfer.engine import resources as E
 
     monkeypatch.setattr(E, "_configured_cache_dir", lambda: "/somewhere/the/app/chose")
     calls = []
     monkeypatch.setattr(E, "enable_compilation_cache", calls.append)
-    E._use_compilation_cache(DEFAULT_COMPILATION_CACHE)
+    E.use_compilation_cache(DEFAULT_COMPILATION_CACHE)
     assert calls == []
 
 
 def test_kv_pool_sized_from_what_the_configuration_can_use():
-    from jaxinfer.engine.engine import kv_budget
+    from jaxinfer.engine.resources import kv_budget
 
     cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
     assert kv_budget(EngineConfig(), 100 << 20) == 100 << 20          # less than the cap: all of it

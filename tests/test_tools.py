@@ -9,7 +9,7 @@ import json
 import pytest
 
 from serving import tools as T
-from serving.protocol import ProtocolError
+from serving.errors import ProtocolError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -33,7 +33,7 @@ PROBE = r"""
 import json, pathlib, sys
 import jaxinfer, pallas_kernels, serving
 from pallas_kernels import cpu_attention, cpu_build, cpu_f32_matmul, cpu_matmul
-from jaxinfer.attention import dispatch
+from jaxinfer import matmul as M
 
 cpu_build.build_all_in_background()      # as the engine does at start: all three side by side
 ok = {m.__name__: (m.available(), m.unavailable_reason())
@@ -44,8 +44,8 @@ print(json.dumps({
     "built": sorted(p.name for p in cpu_build.cache_dir().glob("*.so")),
     "available": ok,
     "attention": dispatch.select("auto")[0],
-    "matmul_f32": dispatch.matmul_name(None, "float32"),
-    "matmul_int8": dispatch.matmul_name("int8", "float32"),
+    "matmul_f32": M.name(None, "float32"),
+    "matmul_int8": M.name("int8", "float32"),
 }))
 """
 

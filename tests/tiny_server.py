@@ -59,7 +59,7 @@ def main() -> int:
                     help="seconds added to every engine step, so requests stay in flight a while")
     args = ap.parse_args()
     if args.compile_cache:
-        from jaxinfer.engine.engine import enable_compilation_cache
+        from jaxinfer.engine.resources import enable_compilation_cache
 
         enable_compilation_cache(args.compile_cache)
     from serving.server import run_server

@@ -279,7 +279,7 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", 1 if a.mode == "mp" else a.devices)
     if a.compilation_cache:
-        from jaxinfer.engine.engine import enable_compilation_cache
+        from jaxinfer.engine.resources import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
     if a.mode == "grid":
         res = mode_grid()

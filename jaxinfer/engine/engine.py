@@ -1,80 +1,37 @@
 """Engine: add_request / step / abort / generate over the continuous-batching core.
 
-``step()`` is three calls (schedule -> run -> postprocess): the scheduler picks the
-sequences and token counts, the batch builder pads them into a compiled bucket, the runner
-executes forward + sampling, and postprocessing appends tokens, detokenizes, applies stop
-conditions and frees finished sequences' pages.
+``step()`` per replica: schedule (scheduler + the replica's page moves and rows) -> build
+the step's fixed-shape batch -> dispatch forward + sampling on the device -> fetch the
+packed tokens -> postprocess (engine/output.py: append, detokenize, stop, free). Where the
+engine runs and how much it holds is decided once at start-up (engine/resources.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, RequestMetrics,
-                             RequestOutput, SamplingParams)
+from jaxinfer.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.memory import available_ram, release_host_memory
-from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxinfer.engine.memory import release_host_memory
+from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
+from jaxinfer.engine.replica import Replica, make_replica
+from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
 from jaxinfer.engine.speculative import speculable
 
 log = logging.getLogger("jaxinfer")
 
 Prompt = str | list[int] | list[dict]
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
-    seeds: list[int]
-    logprobs: list[list[Logprob]] | None
-    metrics: RequestMetrics
-    replica: int = 0                    # data-parallel replica running it
-    constraints: list[Any] | None = None   # guided.SequenceConstraints per sample, if constrained
-    finished: bool = False
-    stop_reasons: list[Any] = field(default_factory=list)
-    sent: list[tuple[int, int]] = field(default_factory=list)   # per sample: tokens, chars in deltas so far
-
-    def delta(self) -> RequestOutput:
-        """What is new since this request's previous ``delta()``: per sample, the new token ids,
-        text and logprobs. Costs O(new), where ``snapshot`` copies everything so far."""
-        if not self.sent:
-            self.sent = [(0, 0)] * len(self.seqs)
-        outs = []
-        for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
-            nt, nc = self.sent[i]
-            toks = seq.output_token_ids
-            outs.append(CompletionOutput(
-                index=i, text=d.text_since(nc), token_ids=toks[nt:], finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[i][nt:]))
-            self.sent[i] = (len(toks), d.text_len)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
-
-    def snapshot(self) -> RequestOutput:
-        outs = []
-        for i, (seq, d) in enumerate(zip(self.seqs, self.detoks)):
-            outs.append(CompletionOutput(
-                index=i, text=d.text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=None if self.logprobs is None else list(self.logprobs[i])))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
 
 
 def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
@@ -98,21 +55,20 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
-        from jaxinfer.engine import kv_cache as kvc
         from jaxinfer.loading import load_model
 
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
-        _use_compilation_cache(config.compilation_cache_dir)
+        R.use_compilation_cache(config.compilation_cache_dir)
         if config.tensor_parallel_size == 0:
-            config = self.config = _resolve_auto_tp(config, loaded.config if loaded else None, model)
+            config = self.config = R.resolve_auto_tp(config, loaded.config if loaded else None, model)
             if config.quantization and config.tensor_parallel_size > 1:     # re-check, now known
                 config = self.config = dataclasses.replace(config, tensor_parallel_size=1)
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
-        meshes = _replica_meshes(config)
-        _start_kernel_builds()
+        meshes = R.replica_meshes(config)
+        R.start_kernel_builds()
         if loaded is None:
             loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
         self.loaded = loaded
@@ -124,7 +80,7 @@ class Engine:
                                  mc.max_position_embeddings)
         from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
-        models = [quantize_model(m, config.quantization) for m in _place_replicas(loaded, meshes)]
+        models = [quantize_model(m, config.quantization) for m in R.place_replicas(loaded, meshes)]
         if not config.quantization and not meshes:
             models = [prepare_float_for_cpu(m) for m in models]
         # keep the quantized model, not the float one (the caller's LoadedModel is untouched);
@@ -132,85 +88,49 @@ class Engine:
         self.loaded = dataclasses.replace(loaded, model=models[0])
         del loaded
         release_host_memory()
-        run_cfg = models[0].cfg        # KV heads repeated where tensor parallelism needs it
-        # KV pages in the model's dtype, or int8 values with per-token scales
-        dtype = "int8" if config.kv_cache_dtype == "int8" else self.loaded.model.dtype
-        probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, run_cfg.num_kv_heads, mc.head_dim, dtype)
-        need = config.max_num_seqs * -(-self.max_model_len // config.page_size) + 1   # + the padding page
-        num_pages = config.num_pages or max(2, kv_budget(config, need * probe.bytes_per_page)
-                                            // probe.bytes_per_page)
-        self.kv_spec = kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, run_cfg.num_kv_heads,
-                                       mc.head_dim, dtype)
+        # models[0].cfg: KV heads repeated where tensor parallelism needs it
+        self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
+                                       self.max_model_len)
         from jaxinfer.engine.speculative import make_speculator
         self.speculator = make_speculator(config)
         self.ladders = self._ladders()
-        self.loras = self._lora_registry()
-        self.num_host_pages = host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
+        from jaxinfer.engine.lora import make_registry
+        self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
+        self.num_host_pages = R.host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
-        if meshes and _num_processes() > 1:
+        if meshes and R.num_processes() > 1:
             from jaxinfer.engine.multihost import StepPublisher
-            if _process_index() == 0:
+            if R.process_index() == 0:
                 self.publisher = StepPublisher()
-        self.replicas = [self._make_replica(m, mesh, attention)
+        self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
+                                      m, mesh, attention, self.publisher, self.model_config, self.loras)
                          for m, mesh in zip(models, meshes or [None])]
-        self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish)
         self.num_steps = 0
         self._grammars: Any = None           # guided.GrammarCompiler, built on first use
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.compile_seconds = self._warmup(progress)
 
-    def _make_replica(self, model: Any, mesh: Any, attention: str) -> "_Replica":
-        from jaxinfer.engine.runner import ModelRunner
-
-        c = self.config
-        bm = BlockManager(self.kv_spec.num_pages, c.page_size, c.enable_prefix_caching,
-                          num_host_pages=self.num_host_pages, record_freed=c.debug_poison_freed_pages)
-        sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.max_waiting,
-                          prefill_shapes=self.ladders.prefill_shapes,
-                          max_loras=c.max_loras if self.loras else None)
-        lora = None
-        if self.loras is not None:
-            from jaxinfer.engine.lora_device import LoraSlots
-            lora = LoraSlots(self.model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
-        runner = ModelRunner(model, self.kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
-                             mesh=mesh, publisher=self.publisher, num_scheduler_steps=c.num_scheduler_steps,
-                             lora=lora)
-        if bm.host.num_slots or c.debug_poison_freed_pages:
-            runner.enable_page_moves(bm.host.num_slots)
-        return _Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)
-
-    def _lora_registry(self) -> Any:
-        """Multi-LoRA's adapter registry with ``lora_modules`` loaded, or None (LoRA off)."""
-        if not self.config.enable_lora:
-            return None
-        if _num_processes() > 1:
-            raise ValueError("enable_lora: LoRA adapters run in one process for now (followers "
-                             "would not receive the adapters' weights)")
-        from jaxinfer.engine.lora import LoraRegistry
-
-        return LoraRegistry.from_config(self.model_config, self.config)
-
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------
     def load_lora(self, name: str, path: str) -> None:
-        """Load the PEFT LoRA adapter in directory ``path`` under ``name`` (vLLM's
-        /v1/load_lora_adapter); thread-safe, callable while another thread steps.
-        Raises lora.LoraError (a ValueError) naming what is wrong."""
-        self._lora_registry_or_raise().load(name, path)
+        """Load the PEFT LoRA adapter in directory ``path`` as ``name`` (vLLM's
+        /v1/load_lora_adapter); thread-safe: another thread may be stepping. Raises
+        lora.LoraError (a ValueError) naming what is wrong."""
+        self._lora_registry().load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``: new requests for it are refused; running ones finish."""
-        self._lora_registry_or_raise().remove(name)
+        self._lora_registry().remove(name)
 
     def lora_names(self) -> list[str]:
         """The loaded adapters' names ([] when LoRA is off)."""
         return [] if self.loras is None else self.loras.names()
 
-    def _lora_registry_or_raise(self) -> Any:
+    def _lora_registry(self) -> Any:
         if self.loras is None:
             from jaxinfer.engine.lora import LoraError
             raise LoraError("lora: LoRA is not enabled (start with --enable-lora or --lora-modules)")
@@ -232,7 +152,7 @@ class Engine:
     @property
     def is_follower(self) -> bool:
         """True on processes other than 0 under jax.distributed: they only replay steps."""
-        return self.publisher is None and bool(_replica_meshes(self.config)) and _num_processes() > 1
+        return self.publisher is None and bool(R.replica_meshes(self.config)) and R.num_processes() > 1
 
     def follow(self) -> int:
         """A follower process's main loop (see engine/multihost.py); returns steps run."""
@@ -269,7 +189,7 @@ class Engine:
         from jaxinfer.engine.warmup import BucketCompiler
 
         self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
-        mode = self.config.warmup if _num_processes() == 1 else "full"   # followers replay any bucket
+        mode = self.config.warmup if R.num_processes() == 1 else "full"   # followers replay any bucket
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=self.compiler.first_total if mode == "lazy" else self.compiler.total,
@@ -340,26 +260,27 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self.output.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         constraints = self._constraints(params) if params.constrained else None
-        lora_id = 0 if lora is None else self._lora_registry_or_raise().acquire(lora)
+        # one adapter reference per sequence, released as each finishes (_finish, abort)
+        lora_id = 0 if lora is None else self._lora_registry().acquire(lora, params.n)
         try:
             seqs = make_sequences(request_id, ids, params, priority=priority, lora_id=lora_id)
             replica = self._pick_replica(seqs[0])
             self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
         except BaseException:
             if lora_id:
-                self.loras.release(lora_id)
+                self.loras.release(lora_id, params.n)
             raise
         seeds = [derive_seed(params.seed, i) if params.seed is not None
                  else int(self._rng.integers(0, 2**32)) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output) for _ in seqs]
         lps = None if params.logprobs is None else [[] for _ in seqs]
-        self._requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, seeds, lps,
-                                              RequestMetrics(arrival_time=time.monotonic()), replica,
-                                              constraints=constraints)
+        self.output.requests[request_id] = RequestState(
+            request_id, text, ids, params, seqs, detoks, seeds, lps, RequestMetrics(arrival_time=time.monotonic()),
+            replica, constraints=constraints)
         return request_id
 
     def _constraints(self, p: SamplingParams) -> list[Any]:
@@ -390,22 +311,17 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or already finished."""
-        req = self._requests.pop(request_id, None)
+        req = self.output.requests.pop(request_id, None)
         if req is None:
             return False
-        rep = self.replicas[req.replica]
-        for seq in rep.scheduler.abort(request_id):
-            rep.release_row(seq)
-        self._release_lora(req)
+        live = [s for s in req.seqs if not s.is_finished]
+        self.replicas[req.replica].abort(request_id)
+        if live and live[0].lora_id:
+            self.loras.release(live[0].lora_id, len(live))
         return True
 
-    def _release_lora(self, req: _Request) -> None:
-        """The request is gone: its adapter reference too (an unloaded adapter dies with its last)."""
-        if req.seqs[0].lora_id:
-            self.loras.release(req.seqs[0].lora_id)
-
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self.output.requests)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix page no request holds, device and host tier (vLLM's
@@ -415,61 +331,59 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self, deltas: bool = False) -> list[RequestOutput]:
-        """One iteration: schedule -> run -> postprocess, on every replica (their device
-        steps run concurrently). Returns outputs of requests that changed (cumulative
-        snapshots), finished ones included once, last. With ``deltas`` each output holds
-        only what is new since the request's previous one (``_Request.delta``): a step's
-        host cost then does not grow with output length (AsyncEngine accumulates them)."""
-        t0 = time.perf_counter()
-        emit = _Request.delta if deltas else _Request.snapshot
-        # A constrained sequence needs the host between tokens: no multi-step runs then.
-        if self.config.num_scheduler_steps > 1 and not any(r.constraints for r in self._requests.values()):
-            run = self.replicas[0].scheduler.schedule_decode_run(self.config.num_scheduler_steps)
-            self.replicas[0].apply_page_ops()
+        """One iteration on every replica (their device steps run concurrently). Returns
+        outputs of requests that changed (cumulative snapshots), finished ones included
+        once, last. With ``deltas`` each output holds only what is new since the request's
+        previous one (``RequestState.delta``): a step's host cost then does not grow with
+        output length (AsyncEngine accumulates them)."""
+        emit = RequestState.delta if deltas else RequestState.snapshot
+        with self._timed() as timer:
+            run = self._decode_run()
             if run is not None:
-                return [emit(r) for r in self._multi_step(self.replicas[0], *run, t0)]
-        pending = []
-        for rep in self.replicas:
-            sched = rep.scheduler.schedule(self._drafts(rep))
-            rep.apply_page_ops()
-            for seq in sched.preempted:
-                rep.release_row(seq)
-            if sched.is_empty:
-                continue
-            now = time.monotonic()
-            for e in sched.scheduled:
-                if e.seq.seq_id not in rep.rows:
-                    rep.rows[e.seq.seq_id] = rep.free_rows.pop()
-                req = self._requests[e.seq.request_id]
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = now
-            batch = self._build(rep, sched)
-            t = self._sampling_tensors(batch)
-            pending.append((rep, sched, batch, rep.runner.dispatch(batch, t, self._token_mask(batch))))
-        if not pending:
-            return []
-        t1 = time.perf_counter()
-        fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
-        if self.publisher is not None:
-            self.publisher.step_done()
-        t2 = time.perf_counter()
-        outs = []
-        for rep, sched, batch, packed in fetched:
-            outs += map(emit, self._postprocess(rep, sched, batch.entries, packed))
-        t3 = time.perf_counter()
-        self.num_steps += 1
-        self.host_seconds += (t1 - t0) + (t3 - t2)
-        self.device_seconds += t2 - t1
-        return outs
+                return [emit(r) for r in self._multi_step(*run, timer)]
+            pending = []
+            for rep in self.replicas:
+                sched = rep.schedule(self._drafts(rep))
+                if not sched.is_empty:
+                    pending.append(self._dispatch(rep, sched))
+            if not pending:
+                timer.counted = False
+                return []
+            with timer.on_device():
+                fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
+                if self.publisher is not None:
+                    self.publisher.step_done()
+            return [emit(r) for rep, sched, batch, packed in fetched
+                    for r in self._postprocess(rep, sched, batch.entries, packed)]
 
-    def _drafts(self, rep: "_Replica") -> dict[int, list[int]] | None:
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator["_StepTimer"]:
+        timer = _StepTimer(time.perf_counter())
+        yield timer
+        if timer.counted:
+            self.num_steps += timer.steps
+            self.device_seconds += timer.device
+            self.host_seconds += time.perf_counter() - timer.t0 - timer.device
+
+    def _dispatch(self, rep: Replica, sched: SchedulerOutput) -> tuple:
+        """Build the step's batch and enqueue it on the device (returns at once)."""
+        now = time.monotonic()
+        for e in sched.scheduled:
+            m = self.output.requests[e.seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        batch = self._build(rep, sched)
+        t = self._sampling_tensors(batch)
+        return rep, sched, batch, rep.runner.dispatch(batch, t, self._token_mask(batch))
+
+    def _drafts(self, rep: Replica) -> dict[int, list[int]] | None:
         """Speculative decoding's proposals for this step (engine/speculative.py)."""
         if self.speculator is None:
             return None
         return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], lambda seq: speculable(
-            seq, bool(self._requests[seq.request_id].constraints)))
+            seq, bool(self.output.requests[seq.request_id].constraints)))
 
-    def _build(self, rep: "_Replica", sched: SchedulerOutput, lookahead: int = 0) -> Any:
+    def _build(self, rep: Replica, sched: SchedulerOutput, lookahead: int = 0) -> Any:
         """The step's batch; while buckets still compile, in a compiled bucket that holds
         it, else in its own bucket compiled now (engine/warmup.py). A multi-step decode
         (``lookahead``) needs its own bucket's multi-step executable."""
@@ -483,32 +397,29 @@ class Engine:
         self.compiler.ensure(rep.runner, batch.bucket)
         return batch
 
-    def _multi_step(self, rep: "_Replica", sched: SchedulerOutput, k: int, t0: float) -> list[_Request]:
+    def _decode_run(self) -> tuple[SchedulerOutput, int] | None:
+        """A multi-step decode run (``num_scheduler_steps``), when one applies: a
+        constrained sequence needs the host between tokens, so none runs then."""
+        if self.config.num_scheduler_steps <= 1 or any(r.constraints for r in self.output.requests.values()):
+            return None
+        rep = self.replicas[0]
+        run = rep.scheduler.schedule_decode_run(self.config.num_scheduler_steps)
+        rep.apply_page_ops()
+        return run
+
+    def _multi_step(self, sched: SchedulerOutput, k: int, timer: "_StepTimer") -> list[RequestState]:
         """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each
         step's tokens postprocessed in order, exactly as ``k`` single steps would be; a
         sequence that stops early drops the tokens it sampled after that."""
+        rep = self.replicas[0]
         batch = self._build(rep, sched, lookahead=k - 1)
-        t = self._sampling_tensors(batch)
-        handle = rep.runner.dispatch_multi(batch, t, k)
-        t1 = time.perf_counter()
-        packed = rep.runner.fetch(handle)                          # i32[max_steps, S', 2 + 2K]
-        t2 = time.perf_counter()
-        latest: dict[str, _Request] = {}
-        for i in range(k):
-            live = [(slot, e) for slot, e in batch.entries if not e.seq.is_finished]
-            if not live:
-                break
-            entries = [(slot, e if i == 0 else ScheduledSeq(e.seq, e.seq.num_computed_tokens, 1, True))
-                       for slot, e in live]
-            step_sched = SchedulerOutput([e for _, e in entries], [], len(entries))
-            for req in self._postprocess(rep, step_sched, entries, packed[i]):
-                latest.pop(req.request_id, None)
-                latest[req.request_id] = req
-        t3 = time.perf_counter()
-        self.num_steps += k
-        self.host_seconds += (t1 - t0) + (t3 - t2)
-        self.device_seconds += t2 - t1
-        return sorted(latest.values(), key=lambda o: o.finished)
+        handle = rep.runner.dispatch_multi(batch, self._sampling_tensors(batch), k)
+        with timer.on_device():
+            packed = rep.runner.fetch(handle)                      # i32[max_steps, S', 2 + 2K]
+        timer.steps = k
+        runs = [(slot, e.seq, k, 0) for slot, e in batch.entries]
+        return replay_runs(lambda sc, en, i: self._postprocess(rep, sc, en, packed[i]),
+                           (sched, batch.entries), runs)
 
     def _sampling_tensors(self, batch):
         from jaxinfer.engine import sampler as S
@@ -517,7 +428,7 @@ class Engine:
         params: list[SamplingParams | None] = [None] * n
         seeds, steps = [0] * n, [0] * n
         for slot, e in batch.entries:
-            req = self._requests[e.seq.request_id]
+            req = self.output.requests[e.seq.request_id]
             for j in range(1 + len(e.draft)):      # a draft's slots sample output tokens j ahead
                 params[slot + j] = e.seq.params
                 seeds[slot + j] = req.seeds[e.seq.sample_index]
@@ -529,7 +440,7 @@ class Engine:
         forward), or None when no sampled row is constrained: those steps pay nothing."""
         rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids)
                 for slot, e in batch.entries if e.samples
-                for req in (self._requests[e.seq.request_id],) if req.constraints]
+                for req in (self.output.requests[e.seq.request_id],) if req.constraints]
         if not rows:
             return None
 
@@ -542,75 +453,24 @@ class Engine:
 
         return build
 
-    def _postprocess(self, rep: "_Replica", sched: SchedulerOutput, entries: list[tuple[int, ScheduledSeq]],
-                     packed: np.ndarray) -> list[_Request]:
-        """Apply a step's sampled tokens -> the requests that changed (the caller turns them
-        into outputs after the last step of a multi-step run)."""
+    def _postprocess(self, rep: Replica, sched: SchedulerOutput, entries: list, packed: np.ndarray
+                     ) -> list[RequestState]:
+        """A step's packed sampler output -> the requests that changed. Verified drafts
+        (speculative decoding) are accepted first and their runs fed through token by token."""
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
         if any(e.draft for e in sched.scheduled):
-            # verify the drafts, feed each accepted run back through here token by token
-            outs = self.speculator.postprocess(lambda sc, en: self._postprocess(rep, sc, en, packed),
+            outs = self.speculator.postprocess(lambda sc, en: self.output.apply(rep.scheduler, sc, en, res),
                                                sched, entries, res.token_ids)
             self.speculator.rollback(sched, rep.block_manager)
             return outs
-        sampled = {e.seq.seq_id: int(res.token_ids[slot]) for slot, e in entries if e.samples}
-        slot_of = {e.seq.seq_id: slot for slot, e in entries}
-        grew = rep.scheduler.postprocess(sched, sampled)
-        self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
-                                        if e.start_pos < e.seq.num_prompt_tokens)
-        now = time.monotonic()
-        touched: dict[str, _Request] = {}
-        for seq in grew:
-            req = self._requests.get(seq.request_id)
-            if req is None:
-                continue
-            touched[req.request_id] = req
-            self.generation_tokens_total += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            tok = seq.output_token_ids[-1]
-            slot = slot_of[seq.seq_id]
-            if req.logprobs is not None:
-                k = seq.params.logprobs or 0
-                req.logprobs[seq.sample_index].append(Logprob(tok, float(res.logprobs[slot]), tuple(
-                    (int(i), float(x)) for i, x in zip(res.top_ids[slot, :k], res.top_logprobs[slot, :k]))))
-            c = req.constraints[seq.sample_index] if req.constraints else None
-            if c is not None:
-                c.advance(tok)
-            self._check_stop(req, seq, tok)
-            if c is not None and c.stopped and not seq.is_finished:
-                # the grammar is complete (or refused the token: logged) and only EOS could follow
-                if c.error:
-                    log.warning("request %s: grammar stopped: %s", req.request_id, c.error)
-                req.detoks[seq.sample_index].finish()
-                self._finish(seq, "stop", None)
-        for req in touched.values():
-            if all(s.is_finished for s in req.seqs):
-                req.finished = True
-                req.metrics.finished_time = now
-                del self._requests[req.request_id]
-                self._release_lora(req)
-        return list(touched.values())
-
-    def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        d = req.detoks[seq.sample_index]
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            d.finish()
-            return self._finish(seq, "stop", tok)
-        d.append(tok)
-        if d.stopped_by is not None:
-            return self._finish(seq, "stop", d.stopped_by)
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            d.finish()
-            self._finish(seq, "length", None)
+        return self.output.apply(rep.scheduler, sched, entries, res)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
-        rep = self.replicas[self._requests[seq.request_id].replica]
-        rep.scheduler.finish(seq, reason, stop_reason)
-        rep.release_row(seq)
+        self.replicas[self.output.requests[seq.request_id].replica].finish(seq, reason, stop_reason)
+        if seq.lora_id:
+            self.loras.release(seq.lora_id)
 
     # ---- batch API ----------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
@@ -669,8 +529,8 @@ class Engine:
             "num_free_pages": free,
             "num_total_pages": total,
             "num_preemptions_total": sum(r.scheduler.num_preemptions_total for r in reps),
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
+            "prompt_tokens_total": self.output.prompt_tokens_total,
+            "generation_tokens_total": self.output.generation_tokens_total,
             "num_steps": self.num_steps,
             **self._prefix_cache_stats(),
             **(self.speculator.stats() if self.speculator else {}),
@@ -681,10 +541,10 @@ class Engine:
     def kernels(self) -> dict[str, str]:
         """The implementation serving each kind of op: {"attention": "cpp" | "xla" |
         "pallas-tpu" | ..., "matmul": "cpp-f32" | "cpp-int8" | "xla" | "pallas"}."""
-        from jaxinfer.attention.dispatch import matmul_name
+        from jaxinfer import matmul
 
         return {"attention": self.runner.attention_name,
-                "matmul": matmul_name(self.config.quantization, self.loaded.model.dtype)}
+                "matmul": matmul.name(self.config.quantization, self.loaded.model.dtype)}
 
     def _prefix_cache_stats(self) -> dict[str, int]:
         per = [r.scheduler.prefix_cache_stats() for r in self.replicas]
@@ -693,184 +553,18 @@ class Engine:
         return out
 
 
-@dataclass
-class _Replica:
-    """One data-parallel replica: its own scheduler, KV pages and device executables."""
+@dataclasses.dataclass
+class _StepTimer:
+    """Seconds of one ``step``: ``device`` is the wait for the device's results, the rest
+    of the wall time is host work; ``steps``: model steps it ran (multi-step runs k)."""
 
-    scheduler: Scheduler
-    block_manager: BlockManager
-    runner: Any                                   # engine.runner.ModelRunner
-    free_rows: list[int]                          # penalty-state rows not in use
-    poison_freed_pages: bool = False              # EngineConfig.debug_poison_freed_pages
-    rows: dict[int, int] = field(default_factory=dict)   # seq_id -> penalty-state row
+    t0: float
+    device: float = 0.0
+    steps: int = 1
+    counted: bool = True
 
-    def apply_page_ops(self) -> None:
-        """The block manager's page moves (host tier, test poisoning), run by the runner
-        before this replica's next forward."""
-        ops = self.block_manager.take_page_ops()
-        if ops:
-            self.runner.apply_page_ops(ops, self.poison_freed_pages)
-
-    @property
-    def load(self) -> int:
-        return self.scheduler.num_running + self.scheduler.num_waiting
-
-    def release_row(self, seq: Sequence) -> None:
-        row = self.rows.pop(seq.seq_id, None)
-        if row is not None:
-            self.free_rows.append(row)
-
-
-def _num_processes() -> int:
-    import jax
-
-    return jax.process_count()
-
-
-def _process_index() -> int:
-    import jax
-
-    return jax.process_index()
-
-
-def _replica_meshes(config: EngineConfig) -> list[Any]:
-    """One mesh per data-parallel replica; [] for the plain single-device engine."""
-    tp, dp = config.tensor_parallel_size, config.data_parallel_size
-    if tp == 1 and dp == 1 and _num_processes() == 1:
-        return []
-    from jaxinfer import sharding
-
-    if _num_processes() > 1:
-        import jax
-
-        if dp > 1:
-            raise ValueError("data_parallel_size > 1 with several processes is not supported: run "
-                             "one engine per host instead, or use the hosts for tensor parallelism")
-        if tp != jax.device_count():
-            raise ValueError(f"tensor_parallel_size={tp}: with {_num_processes()} processes the model "
-                             f"must span all {jax.device_count()} devices (every process runs the step)")
-    return sharding.replica_meshes(sharding.make_mesh(tp, dp))
-
-
-def _resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) -> EngineConfig:
-    """tensor_parallel_size=0: the largest size the model allows on the visible devices
-    (all processes' under jax.distributed) divided among the data-parallel replicas."""
-    import jax
-
-    from jaxinfer import sharding
-    from jaxinfer.loading import read_config
-
-    cfg = model_config or read_config(model)
-    tp = sharding.auto_tp_size(cfg, jax.device_count() // config.data_parallel_size)
-    log.info("tensor_parallel_size auto: %d (%d devices)", tp, jax.device_count())
-    return dataclasses.replace(config, tensor_parallel_size=tp)
-
-
-def _place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:
-    """The model for each replica: the loaded one (placed on the first mesh, re-placed from
-    its host values if it was loaded elsewhere), copied shard by shard onto the others."""
-    if not meshes:
-        return [loaded.model]
-    import jax
-    from flax import nnx
-
-    from jaxinfer.loading import build_model
-    from jaxinfer.models.llama import flat_params
-
-    first = loaded.model
-    leaf = jax.tree.leaves(nnx.state(first))[0]
-    if getattr(leaf.sharding, "mesh", None) != meshes[0]:
-        from jaxinfer.sharding import host_value
-        flat = {k: host_value(v) for k, v in flat_params(first).items()}
-        first = build_model(loaded.config, flat, first.dtype, meshes[0])
-    models = [first]
-    graphdef, state = nnx.split(first)
-    for mesh in meshes[1:]:
-        moved = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, x.sharding.spec)),
-                             state)
-        models.append(nnx.merge(graphdef, moved))
-    return models
-
-
-def host_kv_pages(config: EngineConfig, bytes_per_page: int, num_replicas: int) -> int:
-    """Host-tier pages per replica: ``host_kv_cache_memory`` split among the replicas; by
-    default none on CPU (the device's memory is host memory already) and a fraction of RAM
-    on accelerators. Only with prefix caching, and one process (followers would not
-    replay the copies)."""
-    mem = config.host_kv_cache_memory
-    if not config.enable_prefix_caching or mem == 0:
-        return 0
-    if _num_processes() > 1:
-        if mem is not None:
-            raise ValueError("host_kv_cache_memory: the host KV tier runs in one process; "
-                             "set it to 0 with jax.distributed")
-        return 0
-    if mem is None:
-        import jax
-
-        if jax.default_backend() == "cpu":
-            return 0
-        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.HOST_KV_CACHE_RAM_FRACTION)
-    return mem // num_replicas // bytes_per_page
-
-
-def kv_budget(config: EngineConfig, need: int | None = None) -> int:
-    """Bytes for the KV pages: the configured size, or a fraction of the device's free
-    memory where the backend reports it (weights are already resident), else (CPU) what
-    the configuration can use (``need``: every sequence at max_model_len) capped by
-    DEFAULT_KV_CACHE_MEMORY and half the RAM available now: the pool is resident from the
-    start (zero-filled), so a one-sequence engine should not hold a pool for 64."""
-    if config.kv_cache_memory:
-        return config.kv_cache_memory
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        budget = int(free * config.kv_cache_memory_fraction)
-        log.info("KV cache: %.2f GiB (%.0f%% of free device memory)", budget / 2**30,
-                 100 * config.kv_cache_memory_fraction)
-        return budget
-    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
-    ram = available_ram()
-    if ram:
-        cap = min(cap, ram // 2)
-    budget = min(need, cap) if need else cap
-    log.info("KV cache: %.0f MiB (%s)", budget / 2**20,
-             "all sequences at max_model_len" if need and need <= cap else "capped; --kv-cache-memory sets it")
-    return budget
-
-
-def _start_kernel_builds() -> None:
-    """On CPU, compile the C++ kernels (pallas_kernels/cpu_build.py) while the model loads."""
-    import jax
-
-    if jax.default_backend() == "cpu":
-        from pallas_kernels import cpu_build
-        cpu_build.build_all_in_background()
-
-
-def _use_compilation_cache(path: str | None) -> None:
-    """EngineConfig.compilation_cache_dir: on by default, in the documented location unless
-    the process already chose one (tests, an embedding application); None / "" = off."""
-    from jaxinfer.config import DEFAULT_COMPILATION_CACHE
-
-    if not path or (path == DEFAULT_COMPILATION_CACHE and _configured_cache_dir()):
-        return
-    enable_compilation_cache(os.path.expanduser(path))
-
-
-def _configured_cache_dir() -> str | None:
-    import jax
-
-    return jax.config.jax_compilation_cache_dir
-
-
-def enable_compilation_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a warm start loads executables from disk."""
-    import jax
-
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self.device += time.perf_counter() - t

@@ -226,20 +226,26 @@ def _pair_tensors(tensors: dict[str, np.ndarray], targets: dict[str, LoraTarget]
     return out
 
 
+def make_registry(cfg: Any, config: Any, num_processes: int = 1) -> "LoraRegistry | None":
+    """The engine's registry (cfg: the model's ModelConfig, config: EngineConfig) with its
+    ``lora_modules`` loaded, or None when LoRA is off."""
+    if not config.enable_lora:
+        return None
+    if num_processes > 1:
+        raise ValueError("enable_lora: LoRA adapters run in one process for now (followers would "
+                         "not receive the adapters' weights)")
+    reg = LoraRegistry(cfg, config.max_lora_rank, config.max_cpu_loras)
+    for name, path in config.lora_modules:
+        reg.load(name, path)
+    return reg
+
+
 class LoraRegistry:
     """Adapters by name, thread-safe (the server loads and unloads while the engine steps).
 
     Unloading removes the name at once (new requests for it are refused) while the requests
     already running on it finish with its weights: an adapter lives until its last
     reference (``acquire`` / ``release``, one per request) is gone."""
-
-    @classmethod
-    def from_config(cls, cfg: Any, config: Any) -> "LoraRegistry":
-        """The registry of an engine (config: EngineConfig) with its ``lora_modules`` loaded."""
-        reg = cls(cfg, config.max_lora_rank, config.max_cpu_loras)
-        for name, path in config.lora_modules:
-            reg.load(name, path)
-        return reg
 
     def __init__(self, cfg: Any, max_rank: int, max_adapters: int):
         self.cfg = cfg
@@ -291,22 +297,22 @@ class LoraRegistry:
         with self._lock:
             return list(self._by_name)
 
-    def acquire(self, name: str) -> int:
-        """A reference to the adapter loaded as ``name`` (one per request) -> its lora_id;
-        LoraError when no such adapter is loaded."""
+    def acquire(self, name: str, n: int = 1) -> int:
+        """``n`` references to the adapter loaded as ``name`` (one per sequence) -> its
+        lora_id; LoraError when no such adapter is loaded."""
         with self._lock:
             adapter = self._by_name.get(name) if isinstance(name, str) else None
             if adapter is not None:
-                self._refs[adapter.lora_id] = self._refs.get(adapter.lora_id, 0) + 1
+                self._refs[adapter.lora_id] = self._refs.get(adapter.lora_id, 0) + n
                 return adapter.lora_id
         loaded = self.names()
         raise LoraError(f"lora: no adapter named {name!r:.80} is loaded"
                         + (f" (loaded: {', '.join(loaded)})" if loaded else ""))
 
-    def release(self, lora_id: int) -> None:
-        """One reference fewer; an unloaded adapter is dropped with its last one."""
+    def release(self, lora_id: int, n: int = 1) -> None:
+        """``n`` references fewer; an unloaded adapter is dropped with its last one."""
         with self._lock:
-            n = self._refs.get(lora_id, 0) - 1
+            n = self._refs.get(lora_id, 0) - n
             if n > 0:
                 self._refs[lora_id] = n
                 return

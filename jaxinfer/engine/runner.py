@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxinfer import matmul as M
 from jaxinfer import quantization
 from jaxinfer.config import ModelConfig, SamplingParams
 from jaxinfer import sharding as shd
@@ -218,7 +219,7 @@ class ModelRunner:
             state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
             kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
-        mm = dispatch.select_matmul(batch_invariant, quantized=quantization.is_quantized(model))
+        mm = M.select(batch_invariant, quantized=quantization.is_quantized(model))
         if lora is not None:
             from jaxinfer.engine.lora_device import with_lora
 
@@ -275,7 +276,6 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
 
     def _abstract_args(self, b: Bucket):
-        T, Sn, P = b.num_tokens, b.num_seqs, b.max_pages
         rep = None if self.mesh is None else shd.replicated(self.mesh)
         host = lambda shape, dt: self._abstract(np.empty(shape, dt), rep)   # noqa: E731
         arrays = {k: host(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine.output import replay_runs
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
 
@@ -141,25 +142,16 @@ class Speculator:
         (the engine's one-token postprocessing: (sched, entries) -> requests touched), one
         position at a time. ``token_ids`` i32[S']: the token sampled at each slot. Returns
         the requests touched, each once, finished ones last."""
-        runs: list[tuple[int, Sequence, int]] = []      # (first slot, seq, tokens to emit)
+        runs: list[tuple[int, Sequence, int, int]] = []      # (first slot, seq, tokens to emit, stride)
         first = []
         for slot, e in entries:
             if e.draft:
                 n = self._accept(e, token_ids[slot:slot + len(e.draft)])
-                runs.append((slot, e.seq, n + 1))
+                runs.append((slot, e.seq, n + 1, 1))
                 e = ScheduledSeq(e.seq, e.start_pos, 1, True)
             first.append((slot, e))
-        touched = {id(r): r for r in apply(SchedulerOutput([e for _, e in first], sched.preempted,
-                                                             len(first)), first)}
-        for i in range(1, max((n for _, _, n in runs), default=0)):
-            live = [(slot + i, ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
-                    for slot, seq, n in runs if n > i and not seq.is_finished]
-            if not live:
-                break
-            for r in apply(SchedulerOutput([e for _, e in live], [], len(live)), live):
-                touched.pop(id(r), None)
-                touched[id(r)] = r
-        return sorted(touched.values(), key=lambda r: r.finished)
+        return replay_runs(lambda sc, en, i: apply(sc, en),
+                           (SchedulerOutput([e for _, e in first], sched.preempted, len(first)), first), runs)
 
     def rollback(self, sched: SchedulerOutput, bm: Any) -> None:
         """Free the pages of rejected positions: a speculating sequence keeps pages for its

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import LAYER_TYPES, ModelConfig, RopeScaling, hf_common_fields
+from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec
 from jaxinfer.models.llama import DecoderLayer, LlamaForCausalLM
@@ -126,7 +127,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         return L.rms_norm_plus_one(x, w, self.cfg.rms_norm_eps)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul,
+                 attn: AttentionFn, cache: Any, mm: MatmulFn = M.matmul,
                  tp_axis: str | None = None) -> tuple[jax.Array, Any]:
         """x [T, D]: norm -> attention -> norm -> residual; norm -> MLP -> norm -> residual."""
         with jax.named_scope("attention"):

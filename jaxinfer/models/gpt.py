@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec, init_value
 from jaxinfer.models.gpt_config import FusedQKV, config_from_hf
@@ -187,7 +188,7 @@ class GptLayer(DecoderLayer):
         return y + self.b_down[...] if self.cfg.mlp_bias else y
 
     def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, attn: AttentionFn,
-                 cache: Any, mm: MatmulFn = L.matmul, tp_axis: str | None = None) -> tuple[jax.Array, Any]:
+                 cache: Any, mm: MatmulFn = M.matmul, tp_axis: str | None = None) -> tuple[jax.Array, Any]:
         g = self.cfg.gpt
         with jax.named_scope("attention"):
             h = x if g.post_norm else self._norm("attn_norm", x)
@@ -224,7 +225,7 @@ class GptForCausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
                  attn: AttentionFn, logits_index: jax.Array | None = None,
-                 mm: MatmulFn = L.matmul, tp_axis: str | None = None) -> tuple[jax.Array, list[Any]]:
+                 mm: MatmulFn = M.matmul, tp_axis: str | None = None) -> tuple[jax.Array, list[Any]]:
         """tokens, positions i32[T] -> (logits f32[S or T, V], caches); see LlamaForCausalLM."""
         cfg, g = self.cfg, self.cfg.gpt
         x = L.embed_lookup(self.embed[...], tokens, tp_axis)                   # [T, E]

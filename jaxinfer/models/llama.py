@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, hf_common_fields
+from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 # Re-exported: the family-neutral pieces used to live here and are imported from here.
 from jaxinfer.models.base import (AttentionFn, MatmulFn, WeightSpec, flat_params,  # noqa: F401
@@ -130,7 +131,7 @@ class DecoderLayer(nnx.Module):
         return y
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attn: AttentionFn, cache: Any, mm: MatmulFn = L.matmul,
+                 attn: AttentionFn, cache: Any, mm: MatmulFn = M.matmul,
                  tp_axis: str | None = None) -> tuple[jax.Array, Any]:
         """x [T, D] -> (x [T, D], cache): pre-norm residual attention, then MLP."""
         with jax.named_scope("attention"):
@@ -187,10 +188,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Sequence[Any],
                  attn: AttentionFn, logits_index: jax.Array | None = None,
-                 mm: MatmulFn = L.matmul, tp_axis: str | None = None) -> tuple[jax.Array, list[Any]]:
+                 mm: MatmulFn = M.matmul, tp_axis: str | None = None) -> tuple[jax.Array, list[Any]]:
         """tokens, positions i32[T]; logits_index i32[S] picks the rows whose logits are
         needed (prompt positions that are not sampled cost no LM-head matmul). ``mm`` is
-        every weight matmul (``layers.tiled_matmul`` for batch invariance; a quantized
+        every weight matmul (``matmul.tiled_matmul`` for batch invariance; a quantized
         matmul plugs in here too). ``tp_axis``: see DecoderLayer; embedding and LM head are
         then vocabulary-parallel (one all-reduce in, one all-gather of the logits out).
         Returns (logits f32[S or T, V], updated per-layer caches)."""

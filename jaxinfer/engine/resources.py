@@ -1,0 +1,188 @@
+"""What an engine is placed on and how much it may hold: meshes for tensor and data
+parallelism, the model's copy per replica, the KV pool's and host tier's sizes, and the
+caches a start reuses (XLA's persistent compilation cache, the C++ kernels' builds).
+
+Read once at start-up by ``Engine.__init__``; nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.memory import available_ram
+
+log = logging.getLogger("jaxinfer")
+
+
+def kv_cache_spec(config: EngineConfig, mc: ModelConfig, num_kv_heads: int, model_dtype: Any,
+                  max_model_len: int) -> Any:
+    """The KV pool's layout: pages in the model's dtype (or int8 values with per-token
+    scales), as many as ``config.num_pages`` or the KV budget allows. ``num_kv_heads``: the
+    running model's (tensor parallelism may repeat KV heads)."""
+    from jaxinfer.engine import kv_cache as kvc
+
+    dtype = "int8" if config.kv_cache_dtype == "int8" else model_dtype
+    probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, num_kv_heads, mc.head_dim, dtype)
+    need = config.max_num_seqs * -(-max_model_len // config.page_size) + 1   # + the padding page
+    num_pages = config.num_pages or max(2, kv_budget(config, need * probe.bytes_per_page)
+                                        // probe.bytes_per_page)
+    return kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, num_kv_heads, mc.head_dim, dtype)
+
+
+def num_processes() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def replica_meshes(config: EngineConfig) -> list[Any]:
+    """One mesh per data-parallel replica; [] for the plain single-device engine."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    if tp == 1 and dp == 1 and num_processes() == 1:
+        return []
+    from jaxinfer import sharding
+
+    if num_processes() > 1:
+        import jax
+
+        if dp > 1:
+            raise ValueError("data_parallel_size > 1 with several processes is not supported: run "
+                             "one engine per host instead, or use the hosts for tensor parallelism")
+        if tp != jax.device_count():
+            raise ValueError(f"tensor_parallel_size={tp}: with {num_processes()} processes the model "
+                             f"must span all {jax.device_count()} devices (every process runs the step)")
+    return sharding.replica_meshes(sharding.make_mesh(tp, dp))
+
+
+def resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) -> EngineConfig:
+    """tensor_parallel_size=0: the largest size the model allows on the visible devices
+    (all processes' under jax.distributed) divided among the data-parallel replicas."""
+    import jax
+
+    from jaxinfer import sharding
+    from jaxinfer.loading import read_config
+
+    cfg = model_config or read_config(model)
+    tp = sharding.auto_tp_size(cfg, jax.device_count() // config.data_parallel_size)
+    log.info("tensor_parallel_size auto: %d (%d devices)", tp, jax.device_count())
+    return dataclasses.replace(config, tensor_parallel_size=tp)
+
+
+def place_replicas(loaded: Any, meshes: list[Any]) -> list[Any]:
+    """The model for each replica: the loaded one (placed on the first mesh, re-placed from
+    its host values if it was loaded elsewhere), copied shard by shard onto the others."""
+    if not meshes:
+        return [loaded.model]
+    import jax
+    from flax import nnx
+
+    from jaxinfer.loading import build_model
+    from jaxinfer.models.llama import flat_params
+
+    first = loaded.model
+    leaf = jax.tree.leaves(nnx.state(first))[0]
+    if getattr(leaf.sharding, "mesh", None) != meshes[0]:
+        from jaxinfer.sharding import host_value
+        flat = {k: host_value(v) for k, v in flat_params(first).items()}
+        first = build_model(loaded.config, flat, first.dtype, meshes[0])
+    models = [first]
+    graphdef, state = nnx.split(first)
+    for mesh in meshes[1:]:
+        moved = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, x.sharding.spec)),
+                             state)
+        models.append(nnx.merge(graphdef, moved))
+    return models
+
+
+def host_kv_pages(config: EngineConfig, bytes_per_page: int, num_replicas: int) -> int:
+    """Host-tier pages per replica: ``host_kv_cache_memory`` split among the replicas; by
+    default none on CPU (the device's memory is host memory already) and a fraction of RAM
+    on accelerators. Only with prefix caching, and one process (followers would not
+    replay the copies)."""
+    mem = config.host_kv_cache_memory
+    if not config.enable_prefix_caching or mem == 0:
+        return 0
+    if num_processes() > 1:
+        if mem is not None:
+            raise ValueError("host_kv_cache_memory: the host KV tier runs in one process; "
+                             "set it to 0 with jax.distributed")
+        return 0
+    if mem is None:
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return 0
+        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.HOST_KV_CACHE_RAM_FRACTION)
+    return mem // num_replicas // bytes_per_page
+
+
+def kv_budget(config: EngineConfig, need: int | None = None) -> int:
+    """Bytes for the KV pages: the configured size, or a fraction of the device's free
+    memory where the backend reports it (weights are already resident), else (CPU) what
+    the configuration can use (``need``: every sequence at max_model_len) capped by
+    DEFAULT_KV_CACHE_MEMORY and half the RAM available now: the pool is resident from the
+    start (zero-filled), so a one-sequence engine should not hold a pool for 64."""
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = int(free * config.kv_cache_memory_fraction)
+        log.info("KV cache: %.2f GiB (%.0f%% of free device memory)", budget / 2**30,
+                 100 * config.kv_cache_memory_fraction)
+        return budget
+    cap = EngineConfig.DEFAULT_KV_CACHE_MEMORY
+    ram = available_ram()
+    if ram:
+        cap = min(cap, ram // 2)
+    budget = min(need, cap) if need else cap
+    log.info("KV cache: %.0f MiB (%s)", budget / 2**20,
+             "all sequences at max_model_len" if need and need <= cap else "capped; --kv-cache-memory sets it")
+    return budget
+
+
+def start_kernel_builds() -> None:
+    """On CPU, compile the C++ kernels (pallas_kernels/cpu_build.py) while the model loads."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        from pallas_kernels import cpu_build
+        cpu_build.build_all_in_background()
+
+
+def use_compilation_cache(path: str | None) -> None:
+    """EngineConfig.compilation_cache_dir: on by default, in the documented location unless
+    the process already chose one (tests, an embedding application); None / "" = off."""
+    from jaxinfer.config import DEFAULT_COMPILATION_CACHE
+
+    if not path or (path == DEFAULT_COMPILATION_CACHE and _configured_cache_dir()):
+        return
+    enable_compilation_cache(os.path.expanduser(path))
+
+
+def _configured_cache_dir() -> str | None:
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache: a warm start loads executables from disk."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,171 @@
+"""Every weight matmul ``x [T, K] @ w [K, N]`` is routed here: by backend, weight dtype,
+packing and quantization, plain or batch-invariant. Models call their projections through
+the ``mm`` hook that ``select`` returns; kernels live in ``pallas_kernels/``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("jaxinfer")
+
+
+# Batch invariance. XLA:CPU picks its dot kernel by the number of rows M: one kernel for
+# M == 1, another for 2 <= M <= 32, another for M >= 33 (measured for every SmolLM2
+# weight shape with K = 576; K = 1536 has only the first split). Each kernel sums over K
+# in its own order, so a token's activations would depend on how many other tokens share
+# its step. Two answers, picked in one place (``float_matmul``):
+#  * float32 weights on the CPU backend with the C++ kernel built (pallas_kernels/
+#    cpu_f32_matmul.py): every output is one k-ordered FMA chain whatever M, so the kernel
+#    is batch-invariant by construction and serves both ``matmul`` and ``tiled_matmul``;
+#  * otherwise (bf16 weights, no compiler, TPU / GPU): XLA's dot, and ``tiled_matmul``
+#    keeps every dot in the 2..32-row regime: a lone row is padded to two, and a larger T
+#    is cut into 32-row tiles run one after another (lax.map keeps the HLO small). A row's
+#    result is then the same bits whatever else is in the batch.
+INVARIANT_TILE = 32
+
+
+def is_quantized(w) -> bool:
+    return not isinstance(w, jax.Array) and hasattr(w, "scales")   # a QuantizedWeight
+
+
+def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
+    """x [T, K] @ a QuantizedWeight, the one place that picks the path (the engine's hook,
+    the reference generator and the quality tool all come here, so they agree):
+    int8 on CPU with the C++ kernel built -> pallas_kernels/cpu_matmul.py (packed or plain
+    layout; batch-invariant by construction); otherwise XLA (``invariant``: the converted
+    weight through ``tiled_matmul``). TPU / GPU kernels are chosen by ``select``."""
+    if w.bits == 8 and jax.default_backend() == "cpu":
+        from pallas_kernels import cpu_matmul
+        if cpu_matmul.available():
+            return cpu_matmul.int8_matmul(x, w)
+    if not invariant:
+        from pallas_kernels.quantized_matmul import quantized_matmul_xla
+        return quantized_matmul_xla(x, w)
+    from pallas_kernels.quantized_matmul import dequantize
+    if w.bits == 8:     # the per-channel scale applies after the dot
+        y = tiled_matmul(x.astype(jnp.float32), w.unpanelled().astype(jnp.float32)) * w.scales[None, :]
+        return y.astype(x.dtype)
+    return tiled_matmul(x, dequantize(w).astype(x.dtype))
+
+
+def f32_kernel_applies(w) -> bool:
+    """float32 weight (an array or a PanelledF32) on the CPU backend and the C++ f32 kernel
+    built (built on first ask)."""
+    if w.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels import cpu_f32_matmul
+    return cpu_f32_matmul.available()
+
+
+def float_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
+    """x [T, K] @ a float weight w [K, N] -> [T, N], the one place that picks the path:
+    float32 on CPU with the kernel built -> pallas_kernels/cpu_f32_matmul.py (batch-invariant
+    by construction, so both engines use it; inside shard_map it sees the local shards;
+    a PanelledF32, which only a model prepared for that kernel holds, always goes there);
+    otherwise XLA's dot (``invariant``: in fixed row tiles, see above)."""
+    if f32_kernel_applies(w):
+        from pallas_kernels import cpu_f32_matmul
+        return cpu_f32_matmul.f32_matmul(x.astype(jnp.float32), w)   # x @ w is f32 here too
+    return xla_matmul(x, w, invariant)
+
+
+def xla_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N] by XLA's dot; ``invariant``: in fixed row tiles."""
+    if not invariant:
+        return x @ w
+    T = x.shape[0]
+    if T == 1:
+        return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]
+    if T <= INVARIANT_TILE:
+        return x @ w
+    n = -(-T // INVARIANT_TILE)
+    xp = jnp.pad(x, ((0, n * INVARIANT_TILE - T), (0, 0)))
+    y = jax.lax.map(lambda xt: xt @ w, xp.reshape(n, INVARIANT_TILE, x.shape[1]))
+    return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N], the plain engine's dot: the f32 C++ kernel on CPU,
+    else XLA's choice of kernel (fastest, not batch-invariant); see float_matmul.
+    ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
+    if is_quantized(w):
+        return quantized_matmul(x, w, invariant=False)
+    return float_matmul(x, w, invariant=False)
+
+
+def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above): the f32 C++
+    kernel on CPU, else XLA in fixed row tiles. ``w`` may be a QuantizedWeight: see
+    quantized_matmul."""
+    if is_quantized(w):
+        return quantized_matmul(x, w, invariant=True)
+    return float_matmul(x, w, invariant=True)
+
+
+def select(batch_invariant: bool, backend: str | None = None,
+                  quantized: bool = True) -> Callable:
+    """The model's ``mm`` hook: plain or batch-invariant dots (``matmul`` / ``tiled_matmul``,
+    which also route quantized weights on CPU: ``quantized_matmul``). On TPU / GPU
+    quantized weights go to the Pallas kernel. The choice is logged."""
+    base = tiled_matmul if batch_invariant else matmul
+    backend = backend or jax.default_backend()
+    if not quantized:            # float weights: float_matmul picks per weight dtype
+        if backend == "cpu":
+            from pallas_kernels import cpu_f32_matmul
+
+            if cpu_f32_matmul.available():
+                log.info("matmul: float32 weights -> C++ kernel (jax.ffi), others -> XLA dot")
+            else:
+                log.info("matmul: float weights -> XLA dot (C++ f32 kernel unavailable: %s)",
+                         cpu_f32_matmul.unavailable_reason())
+        return base
+    if backend not in ("tpu", "gpu"):
+        from pallas_kernels import cpu_matmul
+
+        if cpu_matmul.available():
+            log.info("matmul: int8 weights -> C++ kernel (jax.ffi), int4 -> XLA, on backend %s",
+                     backend)
+        else:
+            log.info("matmul: quantized weights -> XLA path on backend %s (C++ kernel "
+                     "unavailable: %s)", backend, cpu_matmul.unavailable_reason())
+        return base
+    from pallas_kernels import quantized_matmul as Q
+
+    kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
+    log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
+
+    def mm(x, w):
+        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) else base(x, w)
+
+    return mm
+
+
+def name(quantization: str | None, dtype: Any, backend: str | None = None) -> str:
+    """Which implementation serves a model's weight matmuls (Engine.kernels, /metrics):
+    the same choice as ``float_matmul`` / ``quantized_matmul`` and ``select``."""
+    backend = backend or jax.default_backend()
+    if backend in ("tpu", "gpu"):
+        return "pallas" if quantization else "xla"
+    if backend == "cpu" and quantization == "int8":
+        from pallas_kernels import cpu_matmul
+        return "cpp-int8" if cpu_matmul.available() else "xla"
+    if backend == "cpu" and quantization is None and jnp.dtype(dtype) == jnp.float32:
+        from pallas_kernels import cpu_f32_matmul
+        return "cpp-f32" if cpu_f32_matmul.available() else "xla"
+    return "xla"
+
+
+def pack_for_backend(w, backend: str | None = None):
+    """A freshly quantized weight in the layout its backend's kernel reads fastest (the
+    CPU kernel's packed panels for int8 on CPU; otherwise unchanged)."""
+    backend = backend or jax.default_backend()
+    if backend in ("tpu", "gpu") or w.bits != 8:
+        return w
+    from pallas_kernels import cpu_matmul
+
+    return cpu_matmul.pack(w) if cpu_matmul.available() else w

@@ -1,0 +1,200 @@
+"""OpenAI ``/v1/completions`` and ``/v1/chat/completions`` bodies (with vLLM's extra
+fields) -> ``GenRequest``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxinfer.config import SamplingParams
+from serving.errors import bad
+from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, check_token_ids,
+                            Limits, is_int, short, type_name)
+from serving import tools as T
+from serving.guided_protocol import openai_constraints
+from serving.request import (GenRequest, check_model, decode_ids, encode_text,
+                             resolve_max_tokens, sampling_params)
+
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
+    """The sampling fields shared by /v1/completions and /v1/chat/completions (incl. vLLM's)."""
+    n = f.int("n", 1, bound=SamplingParams.BOUNDS["n"])
+    if n > limits.max_n:
+        raise bad("n", f"must be <= {limits.max_n} on this server, got {n}")
+    f.reject_if_set("use_beam_search", "beam search")
+    return dict(openai_constraints(f, limits),
+        n=n,
+        temperature=f.num("temperature", 1.0),
+        top_p=f.num("top_p", 1.0),
+        top_k=f.int("top_k", 0),
+        min_p=f.num("min_p", 0.0),
+        presence_penalty=f.num("presence_penalty", 0.0),
+        frequency_penalty=f.num("frequency_penalty", 0.0),
+        repetition_penalty=f.num("repetition_penalty", 1.0),
+        seed=f.int("seed", None, lo=SEED_MIN, hi=SEED_MAX),
+        stop=f.stop("stop"),
+        stop_token_ids=f.token_ids("stop_token_ids", limits, MAX_STOP_TOKEN_IDS),
+        ignore_eos=f.bool("ignore_eos", False),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        cache_salt=f.str("cache_salt", None),
+    )
+
+
+def _stream_flags(f: Fields) -> tuple[bool, bool]:
+    stream = f.bool("stream", False)
+    opts = f.obj("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "is only allowed when stream is true")
+        include_usage = Fields(opts, "stream_options.").bool("include_usage", False)
+        Fields(opts, "stream_options.").bool("continuous_usage_stats", False)
+    return stream, include_usage
+
+
+def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest:
+    f = Fields(body)
+    model = check_model(f, limits)
+    f.reject_if_set("suffix", "suffix / insertion", allowed=("",))
+    best_of = f.int("best_of", None, lo=1)
+    stream, include_usage = _stream_flags(f)
+    echo = f.bool("echo", False)
+    logprobs = f.int("logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])
+    if echo and logprobs is not None:
+        raise bad("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)",
+                  code="unsupported")
+    sampling = _common_sampling(f, limits)
+    if best_of is not None and best_of != sampling["n"]:
+        raise bad("best_of", "best_of other than n is not supported", code="unsupported")
+    max_tokens = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"])
+    prompt_ids, prompt_text = _completion_prompt(body, limits, tokenizer)
+    sampling["max_tokens"] = resolve_max_tokens(max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                                 len(prompt_ids), limits, "max_tokens", "prompt")
+    params = sampling_params({}, logprobs=logprobs, **sampling)
+    return GenRequest("completion", model, prompt_ids, prompt_text, params, stream=stream,
+                      include_usage=include_usage, echo=echo, top_logprobs=logprobs)
+
+
+def _completion_prompt(body: dict, limits: Limits, tokenizer: Any) -> tuple[list[int], str]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt", "is required")
+    if isinstance(p, list):
+        if not p:
+            raise bad("prompt", "must not be empty")
+        if all(is_int(t) for t in p):
+            ids = check_token_ids(p, "prompt", limits)
+            return ids, decode_ids(tokenizer, ids, "prompt")
+        if len(p) != 1:
+            raise bad("prompt", "batched prompts are not supported; send one prompt per request",
+                      code="unsupported")
+        p = p[0]
+        if isinstance(p, list):
+            if not p:
+                raise bad("prompt", "must not be empty")
+            ids = check_token_ids(p, "prompt", limits)
+            return ids, decode_ids(tokenizer, ids, "prompt")
+    if not isinstance(p, str):
+        raise bad("prompt", f"must be a string, an array of one string, or an array of token ids, "
+                  f"got {type_name(p)}")
+    if not p:
+        raise bad("prompt", "must not be empty")
+    return encode_text(tokenizer, p, "prompt"), p
+
+
+def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest:
+    f = Fields(body)
+    model = check_model(f, limits)
+    for key, why in (("functions", "function calling (use tools)"),
+                     ("function_call", "function calling (use tool_choice)"), ("audio", "audio output"),
+                     ("prediction", "predicted outputs")):
+        f.reject_if_set(key, why)
+    tool_spec = T.parse_tools(body)
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise bad("modalities", "only [\"text\"] is supported", code="unsupported")
+    stream, include_usage = _stream_flags(f)
+    want = f.bool("logprobs", False)
+    top = f.int("top_logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])
+    if top is not None and top > 0 and not want:
+        raise bad("top_logprobs", "requires logprobs to be true")
+    sampling = _common_sampling(f, limits)
+    max_tokens = f.int("max_completion_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"])
+    max_param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_param = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"]), "max_tokens"
+    messages = _chat_messages(body.get("messages"))
+    add_gen = f.bool("add_generation_prompt", True)
+    f.obj("chat_template_kwargs")
+    if tool_spec is not None and tool_spec.constrained:
+        if "guided" in sampling:
+            raise bad("tool_choice", "a required or named tool choice cannot be combined with "
+                      "response_format or guided decoding")
+        sampling["guided"] = T.call_grammar(tool_spec)
+    try:
+        if tool_spec is not None:
+            ids = list(T.render_messages(messages, tool_spec, tokenizer))
+        else:
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
+    except Exception as e:
+        raise bad("messages", f"could not apply the chat template: {e}") from None
+    if not ids:
+        raise bad("messages", "the chat template produced no tokens")
+    sampling["max_tokens"] = resolve_max_tokens(max_tokens, None, len(ids), limits, max_param, "messages")
+    k = (top or 0) if want else None
+    params = sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
+    return GenRequest("chat", model, ids, "", params, stream=stream, include_usage=include_usage,
+                      top_logprobs=k, tools=tool_spec)
+
+
+def _chat_messages(msgs: Any) -> list[dict]:
+    if msgs is None:
+        raise bad("messages", "is required")
+    if not isinstance(msgs, list):
+        raise bad("messages", f"must be an array of message objects, got {type_name(msgs)}")
+    if not msgs:
+        raise bad("messages", "must contain at least one message")
+    out = []
+    for i, m in enumerate(msgs):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(name, f"must be an object, got {type_name(m)}")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad(f"{name}.role", "is required and must be a string")
+        if role not in CHAT_ROLES:
+            raise bad(f"{name}.role", f"unknown role {short(role)}; expected one of {', '.join(CHAT_ROLES)}")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise bad(f"{name}.content", "is required")
+            content = ""
+        elif isinstance(content, list):
+            content = _content_parts(content, f"{name}.content")
+        elif not isinstance(content, str):
+            raise bad(f"{name}.content", f"must be a string or an array of text parts, got {type_name(content)}")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = T.assistant_calls_text(m["tool_calls"], f"{name}.tool_calls")
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _content_parts(parts: list, name: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        pname = f"{name}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(pname, f"must be an object, got {type_name(part)}")
+        if part.get("type") != "text":
+            raise bad(f"{pname}.type", f"only 'text' content parts are supported, got {short(part.get('type'))}",
+                      code="unsupported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{pname}.text", "must be a string")
+        texts.append(text)
+    return "\n".join(texts)

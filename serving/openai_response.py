@@ -1,0 +1,145 @@
+"""OpenAI response bodies and stream chunks from the engine's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxinfer.config import Logprob, RequestOutput
+from serving.request import GenRequest
+from serving.tools import parse_tool_calls, stream_tool_deltas
+from serving.stream import Delta, DeltaTracker
+from serving.token_texts import TokenTexts, finite
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def output_usage(req: GenRequest, out: RequestOutput | None) -> dict:
+    gen = sum(len(o.token_ids) for o in out.outputs) if out is not None else 0
+    return usage(len(req.prompt_ids), gen)
+
+
+def completion_logprobs(lps: Sequence[Logprob], k: int, texts: TokenTexts, offset: int) -> tuple[dict, int]:
+    """OpenAI completions ``logprobs`` for these tokens; returns it and the next text offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        t = texts(lp.token_id)
+        tokens.append(t)
+        token_lps.append(finite(lp.logprob))
+        top = {texts(tid): finite(v) for tid, v in lp.top[:k]}
+        top.setdefault(t, finite(lp.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _chat_lp_entry(texts: TokenTexts, tid: int, logprob: float) -> dict:
+    return {"token": texts(tid), "logprob": finite(logprob), "bytes": list(texts.bytes(tid))}
+
+
+def chat_logprobs(lps: Sequence[Logprob], k: int, texts: TokenTexts) -> dict:
+    content = []
+    for lp in lps:
+        e = _chat_lp_entry(texts, lp.token_id, lp.logprob)
+        e["top_logprobs"] = [_chat_lp_entry(texts, tid, v) for tid, v in lp.top[:k]]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+def completion_id(req: GenRequest) -> str:
+    return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.request_id
+
+
+def completion_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) -> dict:
+    choices = []
+    for o in out.outputs:
+        prefix = req.prompt_text if req.echo else ""
+        lp = None
+        if req.top_logprobs is not None and o.logprobs is not None:
+            lp, _ = completion_logprobs(o.logprobs, req.top_logprobs, texts, len(prefix))
+        choices.append({"index": o.index, "text": prefix + o.text, "logprobs": lp,
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+    return {"id": completion_id(req), "object": "text_completion", "created": req.created,
+            "model": req.model, "choices": choices, "usage": output_usage(req, out)}
+
+
+def chat_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) -> dict:
+    choices = []
+    for o in out.outputs:
+        lp = None
+        if req.top_logprobs is not None and o.logprobs is not None:
+            lp = chat_logprobs(o.logprobs, req.top_logprobs, texts)
+        message, finish = {"role": "assistant", "content": o.text, "tool_calls": []}, o.finish_reason
+        if req.tools is not None:
+            content, calls = parse_tool_calls(o.text, req.tools)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        choices.append({"index": o.index, "message": message,
+                        "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason})
+    return {"id": completion_id(req), "object": "chat.completion", "created": req.created,
+            "model": req.model, "choices": choices, "usage": output_usage(req, out),
+            "system_fingerprint": None}
+
+
+class OpenAIStreamer:
+    """Builds the SSE chunks of a streamed completion or chat completion."""
+
+    def __init__(self, req: GenRequest, texts: TokenTexts) -> None:
+        self.req = req
+        self.texts = texts
+        self.tracker = DeltaTracker(req.params.n)
+        self.offsets = [len(req.prompt_text) if req.echo else 0] * req.params.n
+        self.held: dict[int, str] = {}      # chat with tools: each choice's text until it ends
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        c = {"id": completion_id(self.req), "object": kind, "created": self.req.created,
+             "model": self.req.model, "choices": choices}
+        if self.req.include_usage:
+            c["usage"] = None
+        return c
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        res = []
+        for d in self.tracker.deltas(out):
+            if self.req.kind == "chat":
+                res.extend(self._chat_chunks(d))
+            else:
+                res.append(self._completion_chunk(d))
+        return res
+
+    def _completion_chunk(self, d: Delta) -> dict:
+        text = (self.req.prompt_text if self.req.echo and d.first else "") + d.text
+        lp = None
+        if self.req.top_logprobs is not None and d.logprobs is not None:
+            if d.first and self.req.echo:
+                self.offsets[d.index] = len(self.req.prompt_text)
+            lp, self.offsets[d.index] = completion_logprobs(d.logprobs, self.req.top_logprobs,
+                                                            self.texts, self.offsets[d.index])
+        return self._chunk([{"index": d.index, "text": text, "logprobs": lp,
+                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+
+    def _chat_chunks(self, d: Delta) -> list[dict]:
+        res = []
+        if d.first:   # OpenAI opens each choice with the role
+            res.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+        if self.req.tools is not None:
+            # A reply may turn out to be tool calls: its text is held until it ends.
+            return res + [self._chunk([c]) for c in stream_tool_deltas(self, d)]
+        lp = None
+        if self.req.top_logprobs is not None and d.logprobs is not None:
+            lp = chat_logprobs(d.logprobs, self.req.top_logprobs, self.texts)
+        delta = {"content": d.text} if d.text else {}
+        res.append(self._chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+        return res
+
+    def usage_chunk(self, out: RequestOutput | None) -> dict:
+        kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": completion_id(self.req), "object": kind, "created": self.req.created,
+                "model": self.req.model, "choices": [], "usage": output_usage(self.req, out)}

@@ -1,0 +1,74 @@
+"""The OpenAPI description of the routes."""
+
+from __future__ import annotations
+
+from jaxinfer.config import SamplingParams
+from serving.fields import MAX_STOP, SEED_MAX, SEED_MIN
+from serving.openai_request import CHAT_ROLES
+
+
+_INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
+_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_STOP}]}
+_B = {k: b.schema() for k, b in SamplingParams.BOUNDS.items()}
+_SAMPLING = dict(
+    **{k: _B[k] for k in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty", "max_tokens", "min_tokens")},
+    seed={**_INT, "minimum": SEED_MIN, "maximum": SEED_MAX},
+    stop=_STOP, stop_token_ids={"type": "array", "items": {**_INT, "minimum": 0}},
+    ignore_eos=_BOOL, include_stop_str_in_output=_BOOL, skip_special_tokens=_BOOL,
+    stream=_BOOL, stream_options={"type": "object", "properties": {"include_usage": _BOOL}},
+    model=_STR,
+    cache_salt={**_STR, "minLength": 1, "maxLength": SamplingParams.MAX_CACHE_SALT_CHARS},
+)
+
+
+def openapi_schema() -> dict:
+    """A hand-kept OpenAPI 3.1 description of the routes and their request bodies."""
+    err = {"description": "error", "content": {"application/json": {"schema": {"type": "object"}}}}
+    ok_json = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    ok_sse = {"description": "OK (JSON, or server-sent events when stream is true)",
+              "content": {"application/json": {}, "text/event-stream": {}}}
+
+    def post(summary: str, schema: dict, stream: bool = True) -> dict:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                         "responses": {"200": ok_sse if stream else ok_json, "400": err, "401": err,
+                                       "413": err, "422": err, "503": err}}}
+
+    completion = {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
+                                          {"type": "array", "items": {**_INT, "minimum": 0}}]},
+        "echo": _BOOL, "logprobs": _B["logprobs"]}}
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": _STR}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [_STR, {"type": "array", "items": part}, {"type": "null"}]}}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        **_SAMPLING, "messages": {"type": "array", "items": message, "minItems": 1},
+        "max_completion_tokens": _B["max_tokens"], "logprobs": _BOOL,
+        "top_logprobs": _B["logprobs"],
+        "add_generation_prompt": _BOOL}}
+    tgi = {"type": "object", "required": ["inputs"], "properties": {
+        "inputs": {**_STR, "minLength": 1},
+        "parameters": {"type": "object", "properties": dict(
+            max_new_tokens=_B["max_tokens"], temperature={**_NUM, "exclusiveMinimum": 0},
+            top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1}, top_k={**_INT, "minimum": 1},
+            repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
+            seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
+            return_full_text=_BOOL, top_n_tokens=_B["logprobs"])}}}
+    get = {"get": {"responses": {"200": ok_json}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxinfer", "version": "0.1.0",
+                 "description": "OpenAI-compatible and TGI-compatible LLM serving on JAX"},
+        "paths": {
+            "/v1/completions": post("OpenAI text completion", completion),
+            "/v1/chat/completions": post("OpenAI chat completion", chat),
+            "/v1/models": get, "/v1/models/{model}": get,
+            "/generate": post("TGI generate", tgi, stream=False),
+            "/generate_stream": post("TGI generate, streamed", tgi),
+            "/info": get, "/health": {"get": {"responses": {"200": ok_json, "503": err}}},
+            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
+        },
+    }

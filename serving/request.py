@@ -1,0 +1,89 @@
+"""The validated request every route parses into, and what the parsers share: the
+model check, max-token resolution, ``SamplingParams`` errors renamed to API fields, and
+tokenization."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxinfer.config import SamplingParams
+from serving.errors import bad
+from serving.fields import Fields, Limits, short
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """One validated generation request, ready for ``engine.generate``."""
+
+    kind: str                      # "completion" | "chat" | "tgi"
+    model: str
+    prompt_ids: list[int]
+    prompt_text: str               # for echo / return_full_text
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    top_logprobs: int | None = None   # None: no logprobs in the response; k: chosen + top k
+    tgi_details: bool = False
+    return_full_text: bool = False
+    tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def check_model(f: Fields, limits: Limits) -> str:
+    model = f.str("model")
+    if model is None:
+        return limits.model_names[0]
+    if model not in limits.model_names:
+        raise bad("model", f"model {short(model)} is not served here; available: "
+                  f"{', '.join(limits.model_names)}", code="model_not_found")
+    return model
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int,
+                        limits: Limits, param: str, prompt_param: str) -> int:
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise bad(prompt_param, f"the prompt is {prompt_len} tokens, which leaves no room to generate "
+                  f"within the context length of {limits.max_model_len} tokens",
+                  code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad(param, f"{requested} is too large: prompt tokens ({prompt_len}) + {param} must be "
+                  f"<= the context length {limits.max_model_len}, so at most {room} here",
+                  code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(aliases: dict[str, str], **kw: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        field_name, _, rest = msg.partition(": ")
+        api = aliases.get(field_name, field_name)
+        raise bad(api, rest or msg) from None
+
+
+def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
+    """A prompt string -> token ids (special tokens added as the model expects), the one
+    place the HTTP routes tokenize plain text; errors name ``param``."""
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=True))
+    except Exception as e:       # tokenizers reject odd input in their own ways
+        raise bad(param, f"could not be tokenized: {e}") from None
+    if not ids:
+        raise bad(param, "tokenizes to no tokens")
+    return ids
+
+
+def decode_ids(tokenizer: Any, ids: list[int], param: str) -> str:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    except Exception as e:
+        raise bad(param, f"could not be decoded: {e}") from None

@@ -16,43 +16,16 @@ import os
 import sys
 
 GRID = [(1, 1), (1, 2), (1, 4), (2, 2)]          # (dp, tp)
-NAMES = ["a1", None, "a2", "a3", "a1", None]
-PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 19, list(range(100, 160, 3)), [42],
-           list(range(300, 270, -1))]
-ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
-                 page_buckets=(8,), progress=False)
+NAMES = ["a1", None, "a2", "a3", "a1", None]       # the adapter of each of tp_worker's PROMPTS
 
 
 def run(d: str, dp: int, tp: int, lora: bool) -> dict:
-    import numpy as np
-
-    from jaxinfer.config import SamplingParams
-    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading import load_model
+    from tp_worker import ENGINE_KW, PROMPTS, run_engine
 
     kw = dict(lora_modules={n: f"{d}/{n}" for n in ("a1", "a2", "a3")}, max_loras=2, max_lora_rank=8) if lora else {}
-    eng = Engine(d, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE_KW, **kw)
-    rows: dict[str, list] = {}
-    post = eng._postprocess
-
-    def capture(rep, sched, entries, packed):
-        logits = np.asarray(rep.runner.last_logits)
-        for slot, e in entries:
-            if e.samples:
-                rows.setdefault(e.seq.request_id, []).append(logits[slot].tolist())
-        return post(rep, sched, entries, packed)
-
-    eng._postprocess = capture
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    names = NAMES if lora else [None] * len(PROMPTS)
-    ids = [eng.add_request(p, sp, request_id=f"r{i}", lora=n) for i, (p, n) in enumerate(zip(PROMPTS, names))]
-    outs = eng.run_until_done(ids)
-    from tp_worker import collectives
-
-    return {"tokens": [o.outputs[0].token_ids for o in outs], "logits": [rows[i] for i in ids],
-            "leaked_pages": eng.stats()["num_free_pages"] != eng.stats()["num_total_pages"],
-            "hlo": {repr(b): collectives(exe.as_text(), b.num_tokens) for b, exe in eng.runner.executables.items()}
-            if tp == 2 and dp == 1 else {}}
+    return run_engine(load_model(d, "float32"), dp, tp, PROMPTS, hlo=tp == 2 and dp == 1,
+                      loras=NAMES if lora else None, **ENGINE_KW, **kw)
 
 
 def main() -> None:
@@ -64,7 +37,7 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     if a.compilation_cache:
-        from jaxinfer.engine.engine import enable_compilation_cache
+        from jaxinfer.engine.resources import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
     sys.path.insert(0, os.path.dirname(__file__))
     res = {f"{dp}x{tp}": run(a.dir, dp, tp, True) for dp, tp in GRID}

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_hf_oracle import TINY, tiny_tokenizer_files  # noqa: E402
+from test_hf_oracle import TINY, Family, build_family  # noqa: E402
 
 from jaxinfer.config import EngineConfig, SamplingParams  # noqa: E402
 from jaxinfer.engine import lora as LR  # noqa: E402
@@ -44,14 +44,7 @@ ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, n
 
 def build_base(cfg, out_dir: str):
     """A tiny random-weight HF model (float32, eval), saved with a tokenizer to ``out_dir``."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tiny_tokenizer_files(out_dir)
-    return model
+    return build_family(Family("lora-base", lambda: cfg), out_dir)
 
 
 def make_adapter(base_dir: str, out_dir: str, seed: int, r: int = 8, targets=ALL, scale: float = 0.15,
@@ -552,7 +545,7 @@ def test_tensor_and_data_parallel(tmp_path):
             assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), key
     assert ref["tokens"][0] != res["plain_1x2"]["tokens"][0], "adapter a1 should change request 0's tokens"
     assert ref["tokens"][1] == res["plain_1x2"]["tokens"][1], "a base request must keep the base tokens"
-    with_lora, plain = res["1x2"]["hlo"], res["plain_1x2"]["hlo"]
+    with_lora, plain = res["1x2"]["hlo"]["buckets"], res["plain_1x2"]["hlo"]["buckets"]
     assert with_lora.keys() == plain.keys() and with_lora
     for b in plain:
         for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):

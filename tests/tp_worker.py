@@ -71,9 +71,11 @@ def tiny_loaded(name: str):
     return LoadedModel(cfg, model, ByteTokenizer(), {}, name)
 
 
-def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool = False, **kw):
+def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool = False,
+               loras: list | None = None, **kw):
     """Greedy outputs, the logits row of every sampled token (per request, in order) and,
-    with ``hlo``, the collectives of each compiled step."""
+    with ``hlo``, the collectives of each compiled step. ``loras``: each prompt's LoRA
+    adapter name (tests/lora_tp_worker.py)."""
     import numpy as np
 
     from jaxinfer.config import SamplingParams
@@ -92,7 +94,8 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
 
     eng._postprocess = capture
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [eng.add_request(p, sp, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    ids = [eng.add_request(p, sp, request_id=f"r{i}", lora=loras[i] if loras else None)
+           for i, p in enumerate(prompts)]
     outs = eng.run_until_done(ids)
     leaked = eng.stats()["num_free_pages"] != eng.stats()["num_total_pages"]
     res = {"tokens": [o.outputs[0].token_ids for o in outs], "logits": [rows[i] for i in ids],

@@ -82,6 +82,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: 1, or auto with --coordinator)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="independent replicas (each its own scheduler and KV cache)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages the layers are cut into (each on tensor-parallel-size "
+                        "devices); a step's sequences flow through them in micro-batches")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: jax.distributed coordinator (process 0's address)")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -156,6 +159,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         **speculative_options(args), **lora_options(args))
 

@@ -463,6 +463,10 @@ class EngineConfig:
     # allow on the visible devices / data_parallel_size) and independent replicas.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Pipeline parallelism (engine/pipeline.py): the layers cut into this many stages, each
+    # on its own devices (x tensor_parallel_size), a step's sequences in micro-batches that
+    # flow through the stages so they overlap.
+    pipeline_parallel_size: int = 1
     # Weight-only quantization of every matmul weight at load time: None | "int8" | "int4"
     # (jaxinfer/quantization.py).
     quantization: str | None = None
@@ -521,7 +525,8 @@ class EngineConfig:
                  f"must be float32 or bfloat16, got {self.dtype!r}")
         _require(self.page_size in (8, 16, 32, 64, 128), "page_size",
                  f"must be one of 8, 16, 32, 64, 128, got {self.page_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps",
+                     "pipeline_parallel_size"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
@@ -530,6 +535,7 @@ class EngineConfig:
                  f"must be 'full', 'background' or 'lazy', got {self.warmup!r}")
         _check_speculative(self)
         _check_lora(self)
+        _check_pipeline(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
@@ -549,6 +555,20 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")
+
+
+def _check_pipeline(c: "EngineConfig") -> None:
+    """Options a pipelined engine cannot run yet (the model-dependent checks, e.g. that the
+    stages divide the layers, are engine/pipeline.py's)."""
+    if c.pipeline_parallel_size == 1:
+        return
+    for name, bad, why in (
+            ("num_scheduler_steps", c.num_scheduler_steps > 1, "multi-step decode runs on one device"),
+            ("enable_lora", c.enable_lora, "LoRA slot arrays are not split into stages yet"),
+            ("host_kv_cache_memory", bool(c.host_kv_cache_memory), "the host KV tier copies whole-model pages"),
+            ("debug_poison_freed_pages", c.debug_poison_freed_pages, "page poisoning copies whole-model pages"),
+            ("quantization", c.quantization is not None, "quantized weights are not split into stages yet")):
+        _require(not bad, name, f"cannot be combined with pipeline_parallel_size={c.pipeline_parallel_size} ({why})")
 
 
 def _check_lora(c: "EngineConfig") -> None:

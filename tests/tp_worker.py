@@ -49,14 +49,14 @@ class ByteTokenizer:
         return [chr(32 + i % 90) for i in ids]
 
 
-def tiny_loaded(name: str):
+def tiny_loaded(name: str, num_layers: int = 2):
     from flax import nnx
 
     from jaxinfer.config import ModelConfig
     from jaxinfer.loading import LoadedModel
     from jaxinfer.models.llama import LlamaForCausalLM
 
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=num_layers,
                       head_dim=16, max_position_embeddings=256, **TINY[name])
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     # Random biases and norms (init gives zeros / ones) so that their sharding is exercised,

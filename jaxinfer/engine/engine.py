@@ -176,6 +176,9 @@ class Engine:
         if self.speculator is not None:
             from jaxinfer.engine.speculative import spec_decode_sizes
             auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
+        if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
+            from jaxinfer.engine.pipeline import pipeline_ladders
+            auto = pipeline_ladders(auto, c.pipeline_parallel_size)
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
                              c.prefill_buckets or auto.prefill_shapes,

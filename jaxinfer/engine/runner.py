@@ -99,12 +99,13 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=No
 
 def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
                t: S.SamplingTensors, lora_arrays=None, *, bucket: Bucket, attention: Callable, mm: Callable,
-               mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None):
+               mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None,
+               body_fn: Callable = model_body):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V].
     The weights come as a flat list (``state_leaves`` of the treedef ``state_def``):
     flattening the nnx State on every call cost ~0.4 ms of Python per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
-    body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
+    body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape)
     if mesh is not None:
         # check_vma off: the logits leave replicated by construction (all-gathered), which
@@ -201,7 +202,14 @@ class ModelRunner:
         self.spec = spec
         self.mesh = mesh
         self.publisher = publisher
-        self.graphdef, self.state = nnx.split(model)
+        pipelined = shd.pp_size(mesh) > 1
+        if pipelined:         # layers cut into stages over the mesh's "stage" axis
+            from jaxinfer.engine import pipeline
+
+            pipeline.check(model, shd.pp_size(mesh))
+            self.graphdef, self.state = pipeline.stage_model(model, mesh)
+        else:
+            self.graphdef, self.state = nnx.split(model)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
                                                                  kv_dtype=spec.dtype,
@@ -212,7 +220,7 @@ class ModelRunner:
             self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
             state_specs = kv_specs = None
         else:
-            self.kv = kvc.allocate_kv_cache(spec, mesh)
+            self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
             rep = shd.replicated(mesh)
             zeros = lambda shape, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rep)()  # noqa: E731
             self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
@@ -230,6 +238,7 @@ class ModelRunner:
                                                   mm=mm, mesh=mesh,
                                                   state_specs=state_specs, kv_specs=kv_specs,
                                                   lora_specs={} if lora is None else lora.specs(),
+                                                  body_fn=pipeline.stage_body if pipelined else model_body,
                                                   **lora_opts),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         # With a mesh the sampler runs on one device of this process (the logits are

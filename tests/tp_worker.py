@@ -100,6 +100,7 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
     leaked = eng.stats()["num_free_pages"] != eng.stats()["num_total_pages"]
     res = {"tokens": [o.outputs[0].token_ids for o in outs], "logits": [rows[i] for i in ids],
            "replicas": len(eng.replicas), "leaked_pages": leaked,
+           "preemptions": eng.stats()["num_preemptions_total"],
            "kv_heads_per_device": eng.kv_spec.num_kv_heads // tp}
     if hlo:
         res["hlo"] = {"num_layers": loaded.config.num_layers, "hidden_size": loaded.config.hidden_size,
@@ -111,7 +112,8 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
 def collectives(text: str, num_tokens: int) -> dict:
     c = {op: _count_ops(text, op) for op in
          ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
-    c["all_reduce_bytes"] = _all_reduce_bytes(text)
+    c["all_reduce_bytes"] = _op_bytes(text, "all-reduce")
+    c["all_gather_bytes"] = _op_bytes(text, "all-gather")
     c["num_tokens"] = num_tokens
     return c
 
@@ -153,13 +155,13 @@ def _count_ops(hlo: str, op: str) -> int:
     return len(re.findall(rf"= [^=]*? {re.escape(op)}(?:-start)?\(", hlo))
 
 
-def _all_reduce_bytes(hlo: str) -> list[int]:
-    """Bytes of each all-reduce's result, in program order."""
+def _op_bytes(hlo: str, op: str) -> list[int]:
+    """Bytes of each ``op`` collective's result (all-reduce, all-gather), in program order."""
     import re
 
     sizes = {"f32": 4, "bf16": 2, "s32": 4, "f16": 2}
     out = []
-    for m in re.finditer(r"= (f32|bf16|s32|f16)\[([\d,]*)\][^=]*? all-reduce(?:-start)?\(", hlo):
+    for m in re.finditer(rf"= (f32|bf16|s32|f16)\[([\d,]*)\][^=]*? {op}(?:-start)?\(", hlo):
         n = 1
         for d in filter(None, m.group(2).split(",")):
             n *= int(d)

@@ -65,6 +65,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of every matmul weight at load time")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="KV pages: the model's dtype (auto) or int8 with a scale per token and head")
+    p.add_argument("--offload-weights", choices=["none", "host"], default="none",
+                   help="host: layers whose weights exceed --device-weight-memory stay in host memory "
+                        "and are streamed to the device a layer ahead of use")
+    p.add_argument("--device-weight-memory", type=_byte_size, default=None, metavar="BYTES",
+                   help="device budget for resident weights with --offload-weights host, e.g. 2G")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve PEFT LoRA adapters beside the base model (implied by --lora-modules)")
@@ -159,7 +164,8 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, offload_weights=args.offload_weights,
+        device_weight_memory=args.device_weight_memory,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         **speculative_options(args), **lora_options(args))
 

@@ -467,6 +467,11 @@ class EngineConfig:
     # on its own devices (x tensor_parallel_size), a step's sequences in micro-batches that
     # flow through the stages so they overlap.
     pipeline_parallel_size: int = 1
+    # Weight offload (engine/offload.py): "host" keeps the layers whose weights do not fit
+    # ``device_weight_memory`` bytes (after the embedding / head and the layers before
+    # them) in host memory, streamed to the device a layer ahead; "none" keeps all resident.
+    offload_weights: str = "none"
+    device_weight_memory: int | None = None
     # Weight-only quantization of every matmul weight at load time: None | "int8" | "int4"
     # (jaxinfer/quantization.py).
     quantization: str | None = None
@@ -536,6 +541,7 @@ class EngineConfig:
         _check_speculative(self)
         _check_lora(self)
         _check_pipeline(self)
+        _check_offload(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
@@ -555,6 +561,21 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")
+
+
+def _check_offload(c: "EngineConfig") -> None:
+    _require(c.offload_weights in ("none", "host"), "offload_weights",
+             f"must be 'none' or 'host', got {c.offload_weights!r}")
+    v = c.device_weight_memory
+    _require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "device_weight_memory",
+             f"must be a positive number of bytes or None, got {v!r}")
+    if c.offload_weights == "none":
+        return
+    _require(v is not None, "device_weight_memory", "offload_weights='host' needs the device budget in bytes")
+    for name, bad in (("tensor_parallel_size", c.tensor_parallel_size != 1),
+                      ("pipeline_parallel_size", c.pipeline_parallel_size > 1), ("enable_lora", c.enable_lora)):
+        _require(not bad, name, "cannot be combined with offload_weights='host' yet (one device per replica, "
+                 "no LoRA)")
 
 
 def _check_pipeline(c: "EngineConfig") -> None:

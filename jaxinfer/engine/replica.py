@@ -69,12 +69,17 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
                       num_host_pages=num_host_pages, record_freed=c.debug_poison_freed_pages)
     sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, max_model_len, c.max_waiting,
                       prefill_shapes=ladders.prefill_shapes, max_loras=c.max_loras if loras else None)
+    offload_layers: tuple[int, ...] = ()
+    if c.offload_weights == "host":
+        from jaxinfer.engine import offload
+        offload_layers = offload.plan(*offload.layer_bytes(model), c.device_weight_memory)
     lora = None
     if loras is not None:
         from jaxinfer.engine.lora_device import LoraSlots
         lora = LoraSlots(model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
     runner = ModelRunner(model, kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
-                         mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora)
+                         mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora,
+                         offload_layers=offload_layers)
     if bm.host.num_slots or c.debug_poison_freed_pages:
         runner.enable_page_moves(bm.host.num_slots)
     return Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)

@@ -81,9 +81,11 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
 
 
 def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=None, *, bucket: Bucket,
-               attention: Callable, mm: Callable, tp_axis: str | None, lora_shape=None):
+               attention: Callable, mm: Callable, tp_axis: str | None, lora_shape=None,
+               offload_layers: tuple[int, ...] = ()):
     """The model over the ragged batch -> (logits f32[S, V], kv). Per device under shard_map.
-    ``lora_arrays`` / ``lora_shape`` (slots, rank): the LoRA slot arrays (lora_device.py)."""
+    ``lora_arrays`` / ``lora_shape`` (slots, rank): the LoRA slot arrays (lora_device.py);
+    ``offload_layers``: layers whose weights are in host memory (offload.py)."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
     if lora_shape is not None:
         from jaxinfer.engine.lora_device import bind
@@ -94,19 +96,24 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=No
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg,
                               None if alibi is None else L.local_heads(alibi, tp_axis))
+    if offload_layers:
+        from jaxinfer.engine import offload
+
+        attn = offload.bind(model, attn, offload_layers)
     return model(arrays["tokens"], arrays["positions"], kv, attn, arrays["logits_index"], mm, tp_axis)
 
 
 def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
                t: S.SamplingTensors, lora_arrays=None, *, bucket: Bucket, attention: Callable, mm: Callable,
                mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None,
-               body_fn: Callable = model_body):
+               body_fn: Callable = model_body, **body_opts):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V].
     The weights come as a flat list (``state_leaves`` of the treedef ``state_def``):
     flattening the nnx State on every call cost ~0.4 ms of Python per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
     body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
-                             mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape)
+                             mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape,
+                             **body_opts)
     if mesh is not None:
         # check_vma off: the logits leave replicated by construction (all-gathered), which
         # the varying-axes checker cannot see through the attention's index arithmetic.
@@ -120,7 +127,7 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
 def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
                     t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array,
                     lora_arrays=None, *, bucket: Bucket, max_steps: int, page_size: int,
-                    attention: Callable, mm: Callable, lora_shape=None):
+                    attention: Callable, mm: Callable, lora_shape=None, offload_layers: tuple[int, ...] = ()):
     """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
     steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
     next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
@@ -152,7 +159,7 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                  token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
         ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)))
         logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
-                                mm=mm, tp_axis=None, lora_shape=lora_shape)
+                                mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
         pen = _update_penalty_state(pen, ti, a)
         res = S.sample(logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1],
@@ -190,14 +197,17 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
-                 publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None):
+                 publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
+                 offload_layers: tuple[int, ...] = ()):
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
         self.num_scheduler_steps = num_scheduler_steps
         # lora_device.LoraSlots of this replica (multi-LoRA), or None
         self.lora = lora
-        lora_opts = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
+        body_opts: dict[str, Any] = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
+        if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
+            body_opts["offload_layers"] = tuple(offload_layers)
         self.cfg = model.cfg
         self.spec = spec
         self.mesh = mesh
@@ -210,6 +220,10 @@ class ModelRunner:
             self.graphdef, self.state = pipeline.stage_model(model, mesh)
         else:
             self.graphdef, self.state = nnx.split(model)
+        if offload_layers:
+            from jaxinfer.engine import offload
+
+            self.state = offload.place(self.state, offload_layers)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
                                                                  kv_dtype=spec.dtype,
@@ -239,7 +253,7 @@ class ModelRunner:
                                                   state_specs=state_specs, kv_specs=kv_specs,
                                                   lora_specs={} if lora is None else lora.specs(),
                                                   body_fn=pipeline.stage_body if pipelined else model_body,
-                                                  **lora_opts),
+                                                  **body_opts),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same
@@ -250,7 +264,7 @@ class ModelRunner:
         self._sample = jax.jit(sample_fn)
         self._multi = jax.jit(functools.partial(multi_decode_fn, self.graphdef, self.state_def,
                                                 attention=attn_impl, mm=mm, page_size=spec.page_size,
-                                                **lora_opts),
+                                                **body_opts),
                               static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
@@ -281,7 +295,9 @@ class ModelRunner:
     def _abstract(self, x, sharding=None):
         """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
         if self.mesh is None:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+            kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+            # weights offloaded to host memory (offload.py) keep their memory kind
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if kind not in (None, "device") else None)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
 
     def _abstract_args(self, b: Bucket):

@@ -351,3 +351,17 @@ def test_split_regex_pre_tokenizers_match_transformers(default_gguf_path, tmp_pa
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in CORPUS:
         assert ours.encode(text) == ref.encode(text), repr(text)
+
+
+def test_token_bytes_for_logprobs_are_the_pieces_bytes(ours):
+    """serving.token_texts.TokenTexts.bytes (chat logprobs' "bytes"): a token holding part of
+    a multi-byte character reports its real bytes, read from the byte-level BPE piece (its
+    text alone would be U+FFFD), and the pieces of a string add up to its UTF-8."""
+    from serving.token_texts import TokenTexts
+
+    texts = TokenTexts(ours)
+    s = "é日本 naïve"
+    ids = ours.encode(s, add_special_tokens=False)
+    pieces = [texts.bytes(i) for i in ids]
+    assert b"".join(pieces) == s.encode()
+    assert any("\ufffd" in texts(i) for i in ids), "the string should split a character across tokens"

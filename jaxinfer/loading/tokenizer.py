@@ -55,7 +55,7 @@ _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|en
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (byte-level BPE spells tokens in it)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
@@ -264,7 +264,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: Sequence[str],
     else:
         raise ValueError(f"tokenizer.ggml.pre: unsupported pre-tokenizer {pre!r} "
                          f"(supported: {', '.join(SUPPORTED_GGUF_PRE)})")
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     chars = set(alphabet.values())
     vocab: dict[str, int] = {}
     for i, (t, ty) in enumerate(zip(tokens, types)):

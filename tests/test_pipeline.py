@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_parallel import ROOT, _cache_args, _env, _free_port  # noqa: E402
+from test_parallel import ROOT, _cache_args, _env, run_processes  # noqa: E402
 
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.engine import pipeline  # noqa: E402
@@ -81,21 +81,7 @@ def test_step_hlo_passes_activations_by_collective_permute(grid):
 def test_two_processes_one_stage_each(grid):
     """Two processes on 127.0.0.1 (gloo), one CPU device each, PP 2: process 0 schedules,
     both run their stage of every step, and the tokens are the single device's."""
-    coord = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", "--coordinator", coord, "--num-processes", "2",
-                               "--process-id", str(i), *_cache_args()], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=900)
-            assert p.returncode == 0, f"process failed:\n{out[-2000:]}\n{err[-4000:]}"
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    leader, follower = outs
+    leader, follower = run_processes(WORKER, 2, timeout=900)
     assert leader["tokens"] == grid["1x1x1"]["tokens"]
     assert len(leader["stage_devices"]) == 2, leader["stage_devices"]
     assert follower["followed_steps"] == leader["steps"] > 0

@@ -5,6 +5,8 @@ device count is fixed when it starts). Modes (each prints one JSON object on its
   device vs PP 2, PP 4, TP 2 x PP 2 and DP 2 x PP 2 x TP 2, with a small KV pool (preemption)
   and a 32-token budget (chunked prefill): greedy tokens, every sampled token's logits row,
   preemptions, and the collectives of each compiled step (PP 2, TP 2 x PP 2, TP 2 alone).
+* ``default``: the embedded SmolLM2 (30 layers, 9 heads) with PP 2 and TP 3 x PP 2 vs one
+  device (and the error for PP 4, which does not divide 30 layers).
 * ``mp``: one process of a 2-process PP 2 engine over jax.distributed (gloo on CPU), one
   CPU device and one stage each.
 """
@@ -37,6 +39,35 @@ def mode_grid() -> dict:
                              **ENGINE_KW) for name, (dp, pp, tp) in GRID.items()}
 
 
+def mode_default() -> dict:
+    import numpy as np
+
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(None, "float32")
+    tok = loaded.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"),
+               tok.apply_chat_template([{"role": "user", "content": "Name three planets."}],
+                                       add_generation_prompt=True)]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
+              decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 32),), page_buckets=(16,))
+    res = {}
+    for name, (pp, tp) in {"1": (1, 1), "pp2": (2, 1), "tp3pp2": (2, 3), "pp4": (4, 1)}.items():
+        try:
+            r = run_engine(loaded, 1, tp, prompts, 16, pipeline_parallel_size=pp, **kw)
+        except ValueError as e:
+            res[name] = {"error": str(e)}
+            continue
+        ref = res.get("1", r)
+        res[name] = {"tokens": r["tokens"], "tokens_equal": r["tokens"] == ref["tokens"],
+                     "max_rel_logit_err": max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+                                              for a, b in zip(r["logits"], ref.get("logits", r["logits"])))}
+        if name == "1":
+            res[name]["logits"] = r["logits"]
+    res["1"].pop("logits")
+    return res
+
+
 def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     import jax
 
@@ -62,7 +93,7 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["grid", "mp"])
+    ap.add_argument("mode", choices=["grid", "default", "mp"])
     ap.add_argument("--coordinator", default="127.0.0.1:0")
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--process-id", type=int, default=0)
@@ -74,7 +105,10 @@ def main() -> None:
     if a.compilation_cache:
         from jaxinfer.engine.resources import enable_compilation_cache
         enable_compilation_cache(a.compilation_cache)
-    res = mode_grid() if a.mode == "grid" else mode_mp(a.coordinator, a.num_processes, a.process_id)
+    if a.mode == "mp":
+        res = mode_mp(a.coordinator, a.num_processes, a.process_id)
+    else:
+        res = mode_grid() if a.mode == "grid" else mode_default()
     sys.stdout.write("\n" + json.dumps(res) + "\n")
     sys.stdout.flush()
     os._exit(0)   # skip interpreter teardown (jax.distributed shutdown races the other process)

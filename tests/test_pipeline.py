@@ -87,6 +87,16 @@ def test_two_processes_one_stage_each(grid):
     assert follower["followed_steps"] == leader["steps"] > 0
 
 
+@pytest.mark.slow
+def test_default_model_pipelined():
+    """SmolLM2 (30 layers) with PP 2 and TP 3 x PP 2 (6 virtual devices) gives the single
+    device's tokens; PP 4 is refused naming the layer count."""
+    res = run_worker("default")
+    assert res["pp2"]["tokens_equal"] and res["pp2"]["max_rel_logit_err"] == 0.0, res["pp2"]
+    assert res["tp3pp2"]["tokens_equal"] and res["tp3pp2"]["max_rel_logit_err"] < 1e-5, res["tp3pp2"]
+    assert "pipeline_parallel_size=4 must divide the model's 30 layers" in res["pp4"]["error"]
+
+
 # ---- host-side pieces, in this process -------------------------------------------------
 
 @pytest.mark.parametrize("b,pp,want", [

@@ -121,8 +121,9 @@ class LoraSlots:
         shapes = {p: ((t.shape[0], width), (width, t.shape[1])) for p, t in self.targets.items()}
         self.shardings = {p: (self._sharding((t.axes[0], None)), self._sharding((None, t.axes[1])))
                           for p, t in self.targets.items()}
-        self.arrays = {p: tuple(jax.jit(lambda s=s: jnp.zeros(s, self.dtype), out_shardings=sh)()
-                                for s, sh in zip(shapes[p], self.shardings[p])) for p in self.targets}
+        # one executable makes every zero array (one per array took minutes at start-up)
+        self.arrays = jax.jit(lambda: {p: tuple(jnp.zeros(x, self.dtype) for x in shapes[p]) for p in shapes},
+                              out_shardings=None if mesh is None else self.shardings)()
         slot_shapes = {p: ((t.shape[0], rank), (rank, t.shape[1])) for p, t in self.targets.items()}
         abstract = lambda shapes_, shards: jax.tree.map(   # noqa: E731
             lambda s, sh: jax.ShapeDtypeStruct(s, self.dtype, sharding=sh), shapes_, shards,

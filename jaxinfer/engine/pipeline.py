@@ -9,7 +9,8 @@ live on the stage that owns it. Embedding, final norm and LM head are kept by ev
 (replicated over "stage"), so no stage waits for another's vocabulary matmul.
 
 The step. The bucket's sequences are cut into M micro-batches of equal shape (slices of
-its decode slots and of its prefill slots; ``micro_batches``), and the stages run a
+its decode slots and of its prefill slots; ``micro_batches``; a decode-only step is one),
+and the stages run a
 forward-only GPipe schedule over M + P - 1 ticks: at tick t stage s runs its layers on
 micro-batch t - s, then hands its activations to stage s + 1 with one
 ``lax.ppermute`` (a collective-permute). So stage s works on micro-batch i while stage
@@ -90,9 +91,11 @@ class MicroBatches:
 @functools.lru_cache(maxsize=None)
 def micro_batches(b: Bucket, pp: int) -> MicroBatches:
     """Cut ``b`` into the most micro-batches (at most ``pp``) that split both its decode
-    slots and its prefill slots evenly; micro-batch m takes the m-th slice of each."""
+    slots and its prefill slots evenly; micro-batch m takes the m-th slice of each.
+    A decode-only step is one micro-batch: memory-bound, it would read every stage's
+    weights once per micro-batch (benchmarks/RESULTS.md, "Pipeline parallelism")."""
     D, NP, c = b.num_decode, b.num_prefill, b.prefill_chunk
-    M = max(m for m in range(1, pp + 1) if D % m == 0 and NP % m == 0)
+    M = 1 if NP == 0 else max(m for m in range(1, pp + 1) if D % m == 0 and NP % m == 0)
     d, n = D // M, NP // M
     tokens, slots = [], []
     for m in range(M):

@@ -169,12 +169,11 @@ def allocate_kv_cache(spec: kvc.KVCacheSpec, mesh: Any) -> kvc.KVCache:
 
 
 def stage_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=None, *, bucket: Bucket,
-               attention: Callable, mm: Callable, tp_axis: str | None,
+               attention: Callable, mm: Callable, tp_axis: str | None, paged_attention_fn: Callable,
                lora_shape=None) -> tuple[jax.Array, Any]:
     """The pipelined model over the ragged batch -> (logits f32[S, V], kv), per device under
-    shard_map over ("stage", "model"); runner.model_body's counterpart (same arguments)."""
-    from jaxinfer.engine.runner import paged_attention_fn
-
+    shard_map over ("stage", "model"); runner.model_body's counterpart (its arguments, and
+    runner.paged_attention_fn, which builds a micro-batch's attention callback)."""
     pp = lax.axis_size(shd.STAGE)
     s = lax.axis_index(shd.STAGE)
     squeeze = functools.partial(jax.tree.map, lambda x: x[0])

@@ -218,6 +218,7 @@ class ModelRunner:
 
             pipeline.check(model, shd.pp_size(mesh))
             self.graphdef, self.state = pipeline.stage_model(model, mesh)
+            body_opts["paged_attention_fn"] = paged_attention_fn
         else:
             self.graphdef, self.state = nnx.split(model)
         if offload_layers:

@@ -70,8 +70,11 @@ def main() -> None:
     paths = write_adapters(loaded.config, max(counts), args.rank, tmp)
     # 512 MiB of KV pages each (32 sequences of the workload's <= 384 tokens need ~570 MB at
     # full length; two engines of the default 1 GiB did not fit the shared machine's RAM)
+    # and three step shapes (one decode size, one packed prefill shape, their mix): compiling
+    # the default ladder's ~20 shapes twice took over an hour on the shared machine
     kw = dict(loaded=loaded, progress=False, max_num_seqs=32, max_model_len=512, enable_prefix_caching=False,
-              kv_cache_memory=512 << 20)
+              kv_cache_memory=512 << 20, decode_buckets=(32,), mixed_decode_buckets=(0, 32),
+              prefill_buckets=((16, 32),))
     t0 = time.perf_counter()
     engines = {"plain": Engine(**kw),
                "lora": Engine(**kw, lora_modules={f"a{i}": q for i, q in enumerate(paths)},

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16, help="adapter rank (= --max-lora-rank)")
     p.add_argument("--max-loras", type=int, default=16, help="device slots")
     p.add_argument("--adapters", default="1,4,16", help="adapters in the batch, comma-separated")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default: the workload's)")
     args = p.parse_args()
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
@@ -63,7 +64,7 @@ def main() -> None:
 
     w = C.load_workload(args.workload)
     prompts = w["throughput"]["prompts"]
-    n_new = 32 if args.quick else w["throughput"]["new_tokens"]
+    n_new = 32 if args.quick else args.new_tokens or w["throughput"]["new_tokens"]
     counts = [int(x) for x in args.adapters.split(",")]
     loaded = load_model(None, "float32")
     tmp = tempfile.mkdtemp(prefix="jaxinfer-lora-bench-")

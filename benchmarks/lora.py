@@ -1,5 +1,5 @@
-"""Multi-LoRA throughput: the workload's 32-prompt throughput set (128 new tokens each, EOS
-ignored, greedy) with its requests spread over 1, 4 and 16 adapters, vs the base model,
+"""Multi-LoRA throughput: the workload's 32-prompt throughput set (``--new-tokens`` each, by
+default its 128; EOS ignored, greedy) with its requests spread over 1, 4 and 16 adapters, vs the base model,
 in the same run.
 
 Engines, built from one loaded default model (float32): ``plain`` (no LoRA) and ``lora``

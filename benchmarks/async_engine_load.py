@@ -49,7 +49,7 @@ MAX_SEQS = 96
 def build_engine(max_tokens: int) -> Any:
     from flax import nnx
 
-    from jaxinfer.cli import DEFAULT_CACHE
+    from jaxinfer.engine_args import DEFAULT_CACHE
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import LoadedModel

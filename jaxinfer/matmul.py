@@ -20,7 +20,7 @@ log = logging.getLogger("jaxinfer")
 # in its own order, so a token's activations would depend on how many other tokens share
 # its step. Two answers, picked in one place (``float_matmul``):
 #  * float32 weights on the CPU backend with the C++ kernel built (pallas_kernels/
-#    cpu_f32_matmul.py): every output is one k-ordered FMA chain whatever M, so the kernel
+#    f32_matmul/cpu.py): every output is one k-ordered FMA chain whatever M, so the kernel
 #    is batch-invariant by construction and serves both ``matmul`` and ``tiled_matmul``;
 #  * otherwise (bf16 weights, no compiler, TPU / GPU): XLA's dot, and ``tiled_matmul``
 #    keeps every dot in the 2..32-row regime: a lone row is padded to two, and a larger T
@@ -36,17 +36,17 @@ def is_quantized(w) -> bool:
 def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     """x [T, K] @ a QuantizedWeight, the one place that picks the path (the engine's hook,
     the reference generator and the quality tool all come here, so they agree):
-    int8 on CPU with the C++ kernel built -> pallas_kernels/cpu_matmul.py (packed or plain
+    int8 on CPU with the C++ kernel built -> pallas_kernels/quantized_matmul/cpu.py (packed or plain
     layout; batch-invariant by construction); otherwise XLA (``invariant``: the converted
     weight through ``tiled_matmul``). TPU / GPU kernels are chosen by ``select``."""
     if w.bits == 8 and jax.default_backend() == "cpu":
-        from pallas_kernels import cpu_matmul
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         if cpu_matmul.available():
             return cpu_matmul.int8_matmul(x, w)
     if not invariant:
-        from pallas_kernels.quantized_matmul import quantized_matmul_xla
+        from pallas_kernels.quantized_matmul.xla import quantized_matmul_xla
         return quantized_matmul_xla(x, w)
-    from pallas_kernels.quantized_matmul import dequantize
+    from pallas_kernels.quantized_matmul.xla import dequantize
     if w.bits == 8:     # the per-channel scale applies after the dot
         y = tiled_matmul(x.astype(jnp.float32), w.unpanelled().astype(jnp.float32)) * w.scales[None, :]
         return y.astype(x.dtype)
@@ -58,18 +58,18 @@ def f32_kernel_applies(w) -> bool:
     built (built on first ask)."""
     if w.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return False
-    from pallas_kernels import cpu_f32_matmul
+    from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
     return cpu_f32_matmul.available()
 
 
 def float_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     """x [T, K] @ a float weight w [K, N] -> [T, N], the one place that picks the path:
-    float32 on CPU with the kernel built -> pallas_kernels/cpu_f32_matmul.py (batch-invariant
+    float32 on CPU with the kernel built -> pallas_kernels/f32_matmul/cpu.py (batch-invariant
     by construction, so both engines use it; inside shard_map it sees the local shards;
     a PanelledF32, which only a model prepared for that kernel holds, always goes there);
     otherwise XLA's dot (``invariant``: in fixed row tiles, see above)."""
     if f32_kernel_applies(w):
-        from pallas_kernels import cpu_f32_matmul
+        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
         return cpu_f32_matmul.f32_matmul(x.astype(jnp.float32), w)   # x @ w is f32 here too
     return xla_matmul(x, w, invariant)
 
@@ -116,7 +116,7 @@ def select(batch_invariant: bool, backend: str | None = None,
     backend = backend or jax.default_backend()
     if not quantized:            # float weights: float_matmul picks per weight dtype
         if backend == "cpu":
-            from pallas_kernels import cpu_f32_matmul
+            from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
 
             if cpu_f32_matmul.available():
                 log.info("matmul: float32 weights -> C++ kernel (jax.ffi), others -> XLA dot")
@@ -125,7 +125,7 @@ def select(batch_invariant: bool, backend: str | None = None,
                          cpu_f32_matmul.unavailable_reason())
         return base
     if backend not in ("tpu", "gpu"):
-        from pallas_kernels import cpu_matmul
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
 
         if cpu_matmul.available():
             log.info("matmul: int8 weights -> C++ kernel (jax.ffi), int4 -> XLA, on backend %s",
@@ -134,13 +134,14 @@ def select(batch_invariant: bool, backend: str | None = None,
             log.info("matmul: quantized weights -> XLA path on backend %s (C++ kernel "
                      "unavailable: %s)", backend, cpu_matmul.unavailable_reason())
         return base
-    from pallas_kernels import quantized_matmul as Q
+    from pallas_kernels.quantized_matmul import pallas as Q
+    from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
     kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
     log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
 
     def mm(x, w):
-        return kernel(x, w) if isinstance(w, Q.QuantizedWeight) else base(x, w)
+        return kernel(x, w) if isinstance(w, QuantizedWeight) else base(x, w)
 
     return mm
 
@@ -152,10 +153,10 @@ def name(quantization: str | None, dtype: Any, backend: str | None = None) -> st
     if backend in ("tpu", "gpu"):
         return "pallas" if quantization else "xla"
     if backend == "cpu" and quantization == "int8":
-        from pallas_kernels import cpu_matmul
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         return "cpp-int8" if cpu_matmul.available() else "xla"
     if backend == "cpu" and quantization is None and jnp.dtype(dtype) == jnp.float32:
-        from pallas_kernels import cpu_f32_matmul
+        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
         return "cpp-f32" if cpu_f32_matmul.available() else "xla"
     return "xla"
 
@@ -166,6 +167,6 @@ def pack_for_backend(w, backend: str | None = None):
     backend = backend or jax.default_backend()
     if backend in ("tpu", "gpu") or w.bits != 8:
         return w
-    from pallas_kernels import cpu_matmul
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
 
     return cpu_matmul.pack(w) if cpu_matmul.available() else w

@@ -1,11 +1,11 @@
 """Weight-only quantization at load time: ``--quantization int8 | int4``.
 
 Every matmul weight of the model (q/k/v/o, gate/up/down, the LM head) becomes a
-``QuantizedWeight`` (pallas_kernels/quantized_matmul.py): int8 with one scale per output
+``QuantizedWeight`` (pallas_kernels/quantized_matmul/): int8 with one scale per output
 channel, or int4 packed two per byte with one scale per group of rows along K. The
 embedding table stays in the model dtype (it is gathered, not multiplied). The model's
 ``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU int8 goes
-to the C++ kernel (pallas_kernels/cpu_matmul.py; weights packed in its panels
+to the C++ kernel (pallas_kernels/quantized_matmul/cpu.py; weights packed in its panels
 here) and int4 to XLA (dequantize, then the dot; see jaxinfer/matmul.py).
 
 Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout
@@ -52,8 +52,11 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     bits = check_mode(mode)
     if bits is None:
         return model
+    if not getattr(type(model), "quantization", True):
+        raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
+                         "(mixture-of-experts weights are not quantized yet); run it unquantized")
     from jaxinfer.matmul import pack_for_backend
-    from pallas_kernels.quantized_matmul import quantize
+    from pallas_kernels.quantized_matmul.xla import quantize
 
     group = int4_group(model.cfg) if bits == 4 else 0
     graphdef, state = nnx.split(model)
@@ -77,7 +80,7 @@ def fuse_projections(model: nnx.Module) -> nnx.Module:
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
-    from pallas_kernels.quantized_matmul import QuantizedWeight
+    from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
     for layer in model.layers:
         for fused, parts in FUSED:
@@ -106,7 +109,7 @@ def _f32_kernel_weight(w) -> bool:
 
 def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
     """A new module (the given one untouched) laid out for the CPU f32 kernel
-    (pallas_kernels/cpu_f32_matmul.py); the module itself where the kernel does not apply.
+    (pallas_kernels/f32_matmul/cpu.py); the module itself where the kernel does not apply.
 
     * q/k/v and gate/up weights are fused into one weight each: every output column is its
       own k-ordered FMA chain, so the fused product is bitwise the separate ones, and a
@@ -116,7 +119,7 @@ def prepare_float_for_cpu(model: nnx.Module) -> nnx.Module:
 
     Single-device models only (a fused or panelled weight would shard differently)."""
     from jaxinfer.matmul import f32_kernel_applies
-    from pallas_kernels.cpu_f32_matmul import panel
+    from pallas_kernels.f32_matmul.cpu import panel
 
     w = model.layers[0].wq[...]
     if not f32_kernel_applies(w) or len(getattr(w, "devices", lambda: [None])()) != 1:
@@ -142,14 +145,14 @@ def is_quantized(model: nnx.Module) -> bool:
 def cpu_compiler_options(model: nnx.Module) -> dict | None:
     """Compile options a jitted step over ``model`` needs on this backend: XLA:CPU's
     quantized path (int4; int8 without the C++ kernel) needs the memory-optimized
-    scheduler (pallas_kernels/quantized_matmul.py); float and kernel-served int8 models
+    scheduler (pallas_kernels/quantized_matmul/); float and kernel-served int8 models
     keep XLA's default scheduling."""
     import jax
 
     if not is_quantized(model) or jax.default_backend() != "cpu":
         return None
-    from pallas_kernels import cpu_matmul
-    from pallas_kernels.quantized_matmul import XLA_CPU_COMPILER_OPTIONS, QuantizedWeight
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+    from pallas_kernels.quantized_matmul.xla import XLA_CPU_COMPILER_OPTIONS, QuantizedWeight
 
     ws = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QuantizedWeight))
           if isinstance(x, QuantizedWeight)]

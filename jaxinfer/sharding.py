@@ -38,6 +38,7 @@ LOGICAL_AXES: dict[str, str | None] = {
     "q_heads": MODEL,
     "kv_heads": MODEL,
     "mlp": MODEL,
+    "expert": MODEL,      # expert parallelism: each device holds num_experts / tp experts
     "embed": None,
 }
 
@@ -84,19 +85,30 @@ def check_tensor_parallel(cfg: Any, tp: int) -> None:
     """Raise a ValueError naming the constraint a model breaks for this tp (cfg: ModelConfig)."""
     if tp == 1:
         return
-    for what, n in (("query heads (num_attention_heads)", cfg.num_heads),
-                    ("MLP width (intermediate_size)", cfg.intermediate_size),
-                    ("vocabulary (vocab_size)", cfg.vocab_size)):
+    for what, n in _split_counts(cfg):
         if n % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {n} {what}; "
                              f"sizes that work: {', '.join(map(str, valid_tp_sizes(cfg)))}")
     kv_head_replication(cfg.num_heads, cfg.num_kv_heads, tp)
 
 
+def _split_counts(cfg: Any) -> list[tuple[str, int]]:
+    """What tensor parallelism splits over the model axis: (name, count) pairs."""
+    out = [("query heads (num_attention_heads)", cfg.num_heads),
+           ("MLP width (intermediate_size)", cfg.intermediate_size),
+           ("vocabulary (vocab_size)", cfg.vocab_size)]
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        out.append(("experts (num_experts)", moe.num_experts))
+        if moe.shared_expert_size:
+            out.append(("shared expert width (shared_expert_intermediate_size)", moe.shared_expert_size))
+    return out
+
+
 def valid_tp_sizes(cfg: Any, limit: int = 64) -> list[int]:
     out = []
     for tp in range(1, limit + 1):
-        if cfg.num_heads % tp or cfg.intermediate_size % tp or cfg.vocab_size % tp:
+        if any(n % tp for _, n in _split_counts(cfg)):
             continue
         try:
             kv_head_replication(cfg.num_heads, cfg.num_kv_heads, tp)

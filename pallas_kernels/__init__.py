@@ -1,12 +1,16 @@
-"""Pallas kernels for TPU (Mosaic) and GPU (Triton), each module holding kernel, jitted
-wrapper and reference:
+"""The kernels, one folder per op, each holding every implementation of it side by side:
 
-* ``ragged_paged_attention``: ``ragged_paged_attention_tpu`` / ``ragged_paged_attention_gpu``,
-  the signature of ``jaxinfer.attention.xla.ragged_paged_attention`` plus ``interpret``.
-* ``quantized_matmul``: int8 / int4 weight-only matmul (``quantize``, ``QuantizedWeight``,
-  ``quantized_matmul_tpu`` / ``_gpu`` / ``_xla`` / ``_reference``).
-* ``cpu_matmul``: not Pallas — the CPU int8 matmul, a C++ kernel (``cpu/int8_matmul.cc``)
-  called through ``jax.ffi`` and compiled on first use; XLA:CPU has no fused int8 GEMV.
+* ``attention/``: ragged paged attention. ``xla.py`` is the pure-jnp version (the
+  reference every kernel is tested against, and the path on any backend), ``pallas.py``
+  the Mosaic (TPU) and Triton (GPU) kernels, ``cpu.py`` + ``paged_attention.cc`` the
+  C++ kernel for XLA:CPU (jax.ffi).
+* ``quantized_matmul/``: int8 / int4 weight-only matmul. ``xla.py`` holds the weight
+  format (``QuantizedWeight``, ``quantize``), the reference and the XLA path,
+  ``pallas.py`` the TPU / GPU kernel, ``cpu.py`` + ``int8_matmul.cc`` the C++ int8 kernel.
+* ``f32_matmul/``: the float32 matmul's C++ kernel (``cpu.py`` + ``f32_matmul.cc``).
+* ``cpu_build.py`` + ``work_share.h``: building, caching and registering every C++ kernel.
 
-Submodules are imported on use, so importing the package costs nothing.
+Kernels import nothing from ``jaxinfer`` (which op runs where is chosen there:
+``jaxinfer/attention/dispatch.py``, ``jaxinfer/matmul.py``). Submodules are imported on
+use, so importing the package costs nothing.
 """

@@ -1,9 +1,9 @@
-"""Building and registering the C++ CPU kernels (pallas_kernels/cpu/*.cc) with XLA:CPU.
+"""Building and registering the C++ CPU kernels (pallas_kernels/<op>/*.cc) with XLA:CPU.
 
 Each kernel is one C++ file against the XLA FFI headers that jaxlib ships, compiled on
 first use with the host's C++ compiler (``$CXX``, default ``g++``; x86-64 with AVX2 and
 FMA) and cached under ``$JAXINFER_KERNEL_CACHE`` (default ``~/.cache/jaxinfer/kernels``)
-by a hash of the source (and the headers beside it), the jax version, the compiler, the flags and the CPU's flags.
+by a hash of the source (and the shared headers, work_share.h), the jax version, the compiler, the flags and the CPU's flags.
 Without a compiler (or on another CPU) loading fails with the reason, and the caller keeps
 XLA's path.
 
@@ -34,7 +34,7 @@ log = logging.getLogger("jaxinfer")
 
 # -mno-avx512f: each kernel's one code path is AVX2 + FMA (tested), even on AVX-512 hosts.
 FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-std=c++17", "-shared", "-fPIC")
-SOURCE_DIR = Path(__file__).with_name("cpu")
+PACKAGE_DIR = Path(__file__).parent        # each op's folder holds its .cc; shared headers here
 
 
 def _cpu_flags() -> str:
@@ -92,11 +92,11 @@ _pending_lock = threading.Lock()
 
 
 def build_all_in_background() -> None:
-    """Start compiling every kernel here (cpu/*.cc) in threads, one compiler process each:
+    """Start compiling every kernel here (<op>/*.cc) in threads, one compiler process each:
     a first start then builds them side by side while the model loads, instead of one
     after another as each is first used (each takes seconds). ``build`` waits for them."""
     with _pending_lock:
-        todo = [s for s in sorted(SOURCE_DIR.glob("*.cc")) if s not in _pending]
+        todo = [s for s in sorted(PACKAGE_DIR.glob("*/*.cc")) if s not in _pending]
         if not todo:
             return
         pool = concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="jaxinfer-kernel-build")
@@ -117,8 +117,9 @@ def _build(source: Path) -> Path:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
-    # the source and every header beside it (the kernels share work_share.h)
-    src = b"\0".join([source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))])
+    # the source and every header it may include: beside it and the shared ones here
+    headers = sorted(source.parent.glob("*.h")) + sorted(PACKAGE_DIR.glob("*.h"))
+    src = b"\0".join([source.read_bytes()] + [h.read_bytes() for h in dict.fromkeys(headers)])
     key = hashlib.sha256(b"\0".join([src, jax.__version__.encode(), cxx.encode(),
                                      " ".join(FLAGS).encode(), platform.machine().encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
@@ -129,7 +130,7 @@ def _build(source: Path) -> Path:
     # build and the last rename wins; a reader never sees a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(PACKAGE_DIR), str(source), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
@@ -147,8 +148,8 @@ class Kernel:
     """One C++ source and the FFI targets it defines ({target name: exported symbol}),
     built, loaded and registered once, on the first ``available()``."""
 
-    def __init__(self, source: str, targets: dict[str, str], what: str):
-        self.source = SOURCE_DIR / source
+    def __init__(self, source: str | Path, targets: dict[str, str], what: str):
+        self.source = PACKAGE_DIR / source
         self.targets = targets
         self.what = what                 # for the log line: "int8 matmul"
         self._ok: bool | None = None
@@ -170,6 +171,11 @@ class Kernel:
 
     def unavailable_reason(self) -> str | None:
         return None if self.available() else self._reason
+
+    def build(self) -> Path:
+        """Compile the kernel (or find it in the cache) -> path of the shared library.
+        Raises RuntimeError naming what failed."""
+        return build(self.source)
 
     def reset(self) -> None:
         """Forget the outcome (tests: retry after changing $CXX or the cache)."""

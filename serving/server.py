@@ -99,7 +99,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
     """A factory for the AsyncEngine the CLI's engine flags (``add_engine_args``) describe."""
 
     def load() -> Any:
-        from jaxinfer.cli import engine_config
+        from jaxinfer.engine_args import engine_config
         from jaxinfer.engine.async_engine import AsyncEngine
         from jaxinfer.engine.engine import Engine
 

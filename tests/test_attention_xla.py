@@ -1,6 +1,6 @@
 """Ragged paged attention: the fast paths == reference == dense numpy, and batch invariance
 (bitwise) of each fast path. Fast paths (the ``impl`` fixture): "xla", the jnp one
-(attention/xla.py), and "cpp", the C++ kernel (pallas_kernels/cpu_attention.py, skipped
+(pallas_kernels/attention/xla.py), and "cpp", the C++ kernel (pallas_kernels/attention/cpu.py, skipped
 one test at a time only where no C++ compiler exists).
 
 Every page that is not part of a sequence — page 0 (the padding sink), free pages, and the
@@ -20,7 +20,7 @@ import os
 import pytest
 import shutil
 
-from jaxinfer.attention.xla import (KV_BLOCK, layout_q_starts, ragged_paged_attention,
+from pallas_kernels.attention.xla import (KV_BLOCK, layout_q_starts, ragged_paged_attention,
                                     ragged_paged_attention_reference)
 
 
@@ -128,14 +128,14 @@ def impl(request) -> str:
     if request.param == "cpp":
         if shutil.which(os.environ.get("CXX", "g++")) is None:
             pytest.skip("no C++ compiler: the CPU attention kernel cannot be built here")
-        from pallas_kernels import cpu_attention
+        from pallas_kernels.attention import cpu as cpu_attention
         assert cpu_attention.available(), cpu_attention.unavailable_reason()
     return request.param
 
 
 def fast(q, k, v, kv_lens, q_lens, pt, impl="xla", **kw):
     if impl == "cpp":
-        from pallas_kernels.cpu_attention import ragged_paged_attention as fn
+        from pallas_kernels.attention.cpu import ragged_paged_attention as fn
     else:
         fn = ragged_paged_attention
     return fn(q, k, v, kv_lens, q_lens, pt, **kw)
@@ -363,8 +363,8 @@ def test_kv_block_is_a_multiple_of_common_page_sizes():
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="no C++ compiler: the CPU attention kernel cannot be built here")
 def test_cpp_kernel_errors_name_the_problem():
-    from pallas_kernels import cpu_attention
-    from pallas_kernels.cpu_attention import ragged_paged_attention as cpp
+    from pallas_kernels.attention import cpu as cpu_attention
+    from pallas_kernels.attention.cpu import ragged_paged_attention as cpp
 
     assert cpu_attention.available(), cpu_attention.unavailable_reason()
     c = make_case([Seq(40, 1)], 1, 0, page_size=16, heads=4, kv_heads=2, head_dim=64)

@@ -16,7 +16,7 @@ from mock_engine import MockAsyncEngine, serve_in_thread  # noqa: E402
 
 from jaxinfer.bench import datasets, report  # noqa: E402
 from jaxinfer.bench.report import RequestResult, TokenClock  # noqa: E402
-from jaxinfer.cli import main  # noqa: E402
+from serving.cli import main  # noqa: E402
 from serving.app import build_app  # noqa: E402
 
 # --------------------------------------------------------------------------- datasets

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.cli import main  # noqa: E402
+from serving.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

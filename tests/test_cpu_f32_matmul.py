@@ -1,4 +1,4 @@
-"""The CPU float32 matmul (pallas_kernels/cpu_f32_matmul.py + cpu/f32_matmul.cc, via
+"""The CPU float32 matmul (pallas_kernels/f32_matmul/cpu.py + f32_matmul.cc, via
 jax.ffi): values against numpy float64, bitwise batch invariance (a row's bits do not
 depend on the other rows or on M, across the decode and GEMM paths), errors, and that
 jaxinfer/matmul.py routes float32 weights to it on CPU (bf16 stays with XLA)."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import matmul as routing
-from pallas_kernels import cpu_f32_matmul as F
+from pallas_kernels.f32_matmul import cpu as F
 
 # Without a compiler the engine keeps XLA's dots (test_without_the_kernel_xla_paths).
 needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,

@@ -1,4 +1,4 @@
-"""The CPU int8 matmul (pallas_kernels/cpu_matmul.py + cpu/int8_matmul.cc, via jax.ffi):
+"""The CPU int8 matmul (pallas_kernels/quantized_matmul/cpu.py + int8_matmul.cc, via jax.ffi):
 values against the f32 reference on the same quantized weights, bitwise batch invariance
 (a row's bits do not depend on the other rows), panel packing, the build's errors."""
 
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_matmul as C
-from pallas_kernels.quantized_matmul import (QuantizedWeight, quantize,
+from pallas_kernels.quantized_matmul import cpu as C
+from pallas_kernels.quantized_matmul.xla import (QuantizedWeight, quantize,
                                              quantized_matmul_reference, quantized_matmul_xla)
 from test_cpu_f32_matmul import second_build_compiles_nothing
 

@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
+from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import LoadedModel, build_model, hf_tensors_to_flat  # noqa: E402
 from jaxinfer.reference import ReferenceGenerator  # noqa: E402
@@ -76,7 +77,7 @@ def tiny():
                 p.add_(torch.randn_like(p) * 0.3)
             if "embed" in name:
                 p.mul_(4.0)
-    cfg = ModelConfig.from_hf(hf_config_dict())
+    cfg = config_from_hf(hf_config_dict())
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     model = build_model(cfg, hf_tensors_to_flat(cfg, sd), np.float32)
     rng = np.random.RandomState(1)
@@ -193,7 +194,7 @@ def test_unsupported_config_is_refused_naming_the_field(change, field):
     d = hf_config_dict()
     d.update(change)
     with pytest.raises(ValueError, match=f"^{field}:"):
-        ModelConfig.from_hf(d)
+        config_from_hf(d)
 
 
 def test_tensor_parallel_is_refused_naming_the_family(tiny):

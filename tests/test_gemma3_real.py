@@ -2,7 +2,8 @@
 (dequantized), its greedy 64 tokens equal HF transformers' Gemma3ForCausalLM holding the
 same dequantized weights (float32) on 8 prompts, two of them chats through the chat
 template, via the Python API (Engine.generate, batched, chunked prefill) and through the
-OpenAI endpoint of the real server."""
+OpenAI endpoints of the real server (all 8 sent at once, so they are batched there too).
+One engine serves both; transformers' continuations are computed once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 import sys
 
 import httpx
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,7 +25,6 @@ from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
-from jaxinfer.models.base import flat_params, weight_specs  # noqa: E402
 from serving.app import build_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -54,24 +53,11 @@ def gguf_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def real(gguf_path):
     """(our LoadedModel, HF model with the same float32 weights, prompt token ids)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from common import hf_gemma3_twin
+
     loaded = load_model(gguf_path)
-    cfg, hc = loaded.config, loaded.hf_config
-    hf_cfg = transformers.Gemma3TextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=hc["rms_norm_eps"], rope_theta=hc["rope_theta"],
-        rope_local_base_freq=hc["rope_local_base_freq"], sliding_window=hc["sliding_window"],
-        layer_types=hc["layer_types"], query_pre_attn_scalar=hc["query_pre_attn_scalar"],
-        max_position_embeddings=hc["max_position_embeddings"], tie_word_embeddings=True,
-        hidden_activation=hc["hidden_activation"])
-    hf = transformers.Gemma3ForCausalLM(hf_cfg).float().eval()
-    specs, flat = weight_specs(cfg), flat_params(loaded.model)
-    state = {specs[p].hf_name: torch.from_numpy(np.array(a).T.copy() if specs[p].transpose else np.array(a))
-             for p, a in flat.items() if p != "lm_head"}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    hf.tie_weights()
+    hf = hf_gemma3_twin(loaded)
     tok = loaded.tokenizer
     ids = [tok.encode(p) for p in PROMPTS] + [tok.apply_chat_template(c) for c in CHATS]
     return loaded, hf, ids
@@ -85,36 +71,58 @@ def hf_greedy(hf, ids, n, eos=()):
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_64_tokens_equal_transformers(real):
-    loaded, hf, ids = real
+@pytest.fixture(scope="module")
+def want(real) -> list[list[int]]:
+    """transformers' greedy N tokens for every prompt (end of turn ignored, as requested)."""
+    _, hf, ids = real
+    return [hf_greedy(hf, prompt, N) for prompt in ids]
+
+
+@pytest.fixture(scope="module")
+def engine(real):
+    return Engine(loaded=real[0], progress=False, **ENGINE_KW)
+
+
+def test_greedy_64_tokens_equal_transformers(real, want, engine):
+    loaded, _, ids = real
     assert loaded.config.architecture == "Gemma3ForCausalLM"
     assert loaded.tokenizer.chat_template and "<start_of_turn>" in loaded.tokenizer.render_chat(CHATS[0])
-    eng = Engine(loaded=loaded, progress=False, **ENGINE_KW)
     p = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in eng.generate(ids, p)]
-    for k, prompt in enumerate(ids):
-        assert got[k] == hf_greedy(hf, prompt, N), f"prompt {k} differs from transformers"
-    st = eng.stats()
+    got = [o.outputs[0].token_ids for o in engine.generate(ids, p)]
+    for k in range(len(ids)):
+        assert got[k] == want[k], f"prompt {k} differs from transformers"
+    st = engine.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
 
 
-def test_openai_chat_endpoint_equals_transformers(real):
-    """The chat prompt through POST /v1/chat/completions: the reply is HF's greedy
-    continuation up to the end of turn, decoded."""
-    loaded, hf, ids = real
-    eng = Engine(loaded=loaded, progress=False, **ENGINE_KW)
-    aeng = AsyncEngine(eng)
-    app = build_app(aeng)
+async def _post_all(url: str, bodies: list[tuple[str, dict]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=900) as client:
+        return await asyncio.gather(*(client.post(url + route, json=b) for route, b in bodies))
+
+
+def test_openai_endpoints_equal_transformers(real, want, engine):
+    """The 6 text prompts through POST /v1/completions and the 2 chats through
+    /v1/chat/completions, at once, greedy, N tokens each (ignore_eos): every reply is
+    transformers' continuation, decoded, of the prompt the server tokenized itself."""
+    loaded, _, ids = real
+    tok = loaded.tokenizer
+    common = {"model": engine.model_name, "max_tokens": N, "temperature": 0, "ignore_eos": True}
+    bodies = [("/v1/completions", {**common, "prompt": p}) for p in PROMPTS]
+    bodies += [("/v1/chat/completions", {**common, "messages": c}) for c in CHATS]
+    aeng = AsyncEngine(engine)
     try:
-        with serve_in_thread(app) as url:
-            r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-                "model": eng.model_name, "messages": CHATS[1], "max_tokens": N, "temperature": 0})
+        with serve_in_thread(build_app(aeng)) as url:
+            replies = asyncio.run(_post_all(url, bodies))
     finally:
         asyncio.run(aeng.shutdown())
-    assert r.status_code == 200, r.text
-    body = r.json()
-    want = hf_greedy(hf, ids[-1], N, eos=loaded.tokenizer.eos_token_ids)
-    if want and want[-1] in loaded.tokenizer.eos_token_ids:
-        want = want[:-1]
-    assert body["choices"][0]["message"]["content"] == loaded.tokenizer.decode(want)
-    assert body["usage"]["completion_tokens"] in (len(want), len(want) + 1)
+    assert len(replies) >= 8
+    for k, r in enumerate(replies):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        choice = body["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert body["usage"]["prompt_tokens"] == len(ids[k]), f"prompt {k} tokenized differently"
+        assert body["usage"]["completion_tokens"] == N
+        assert text == tok.decode(want[k]), f"prompt {k}: the server's reply differs from transformers'"
+    st = engine.stats()
+    assert st["num_free_pages"] == st["num_total_pages"]

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
 from jaxinfer.loading.gguf import (
     SUPPORTED_ARCHS,
     _unpermute_rows,
@@ -26,9 +26,9 @@ _VOCAB = 260
 
 
 def _byte_tokens() -> list[str]:
-    from jaxinfer.loading.tokenizer import _byte_alphabet
+    from jaxinfer.loading.tokenizer import byte_alphabet
 
-    return ["<s>", "</s>"] + list(_byte_alphabet().values()) + ["he", "ll"]
+    return ["<s>", "</s>"] + list(byte_alphabet().values()) + ["he", "ll"]
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -169,7 +169,7 @@ def test_f32_round_trip_is_exact(tmp_path, arch, kw):
     assert c["rms_norm_eps"] == 1e-6 and c["rope_theta"] == 500000.0
     assert c["tie_word_embeddings"] == kw.get("tied", True)
     assert (c["bos_token_id"], c["eos_token_id"]) == (0, 1)
-    mc = ModelConfig.from_hf(c)
+    mc = config_from_hf(c)
     assert mc.qkv_bias == kw.get("bias", False) and mc.qk_norm == (arch == "qwen3")
     assert ck.generation_config == {"bos_token_id": 0, "eos_token_id": 1}
     assert ck.tokenizer.vocab_size == _VOCAB and ck.tokenizer.eos_token_ids == (1,)
@@ -241,7 +241,7 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
     c = load_gguf(str(path)).config
     assert c["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    assert ModelConfig.from_hf(c).rope_scaling.rope_type == "llama3"
+    assert config_from_hf(c).rope_scaling.rope_type == "llama3"
     bad = tmp_path / "bad.gguf"
     write_gguf(bad, tiny_hf_weights(), extra_tensors={"rope_freqs.weight": (factors[::-1].copy(), None)})
     with pytest.raises(ValueError, match="rope_freqs"):
@@ -371,10 +371,9 @@ def test_k_quants_match_transformers_dequantizer(gemma_gguf):
 def test_real_gemma3_config_from_metadata(gemma_gguf):
     """What llama.cpp's gemma3 loader fixes rather than stores is filled in (the model
     itself is checked against transformers in tests/test_gemma3_real.py)."""
-    from jaxinfer.config import ModelConfig
     from jaxinfer.loading.gguf import read_gguf_config
 
-    cfg = ModelConfig.from_hf(read_gguf_config(gemma_gguf))
+    cfg = config_from_hf(read_gguf_config(gemma_gguf))
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.num_layers == 18
     assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
     assert cfg.sliding_window == 512 and cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6
@@ -415,7 +414,7 @@ def test_default_model_equals_transformers_loader(default_gguf_path, default_che
 
 @pytest.mark.slow
 def test_default_model_config_and_speed(default_gguf_path, default_checkpoint):
-    mc = ModelConfig.from_hf(default_checkpoint.config)
+    mc = config_from_hf(default_checkpoint.config)
     assert (mc.architecture, mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads) == (
         "LlamaForCausalLM", 30, 576, 9, 3)
     assert mc.tie_word_embeddings and "lm_head.weight" not in default_checkpoint.tensors

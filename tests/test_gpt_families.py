@@ -16,9 +16,7 @@ tests/test_hf_oracle.py (its FAMILIES list).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -29,7 +27,9 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
+from jaxinfer.config import SamplingParams  # noqa: E402
+from tp_worker import run_on_fake_devices  # noqa: E402
 
 V, NPOS = 256, 128
 _T = dict(vocab_size=V, bos_token_id=1, eos_token_id=2)
@@ -181,19 +181,14 @@ def test_tensor_parallel_2_matches_hf(root):
     split with their heads, vocabulary-parallel embedding and head)."""
     dirs = {f: hf_checkpoint(f, root)[0] for f in FAMILIES}
     want = {f: [hf_greedy(hf_checkpoint(f, root)[1], p, 8) for p in PROMPTS] for f in FAMILIES}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, __file__, json.dumps(dirs)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_on_fake_devices(__file__, dirs, devices=2)
     for f in FAMILIES:
         assert got[f] == want[f], f"{f}: tp=2 tokens differ from transformers'"
 
 
 def test_unsupported_config_fields_are_refused():
     def cfg(arch, **d):
-        return ModelConfig.from_hf({"architectures": [arch], "vocab_size": V, **d})
+        return config_from_hf({"architectures": [arch], "vocab_size": V, **d})
 
     gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=NPOS)
     with pytest.raises(ValueError, match="activation_function: .*unsupported activation 'swish'"):
@@ -227,13 +222,13 @@ def test_alibi_and_clip_are_exercised():
     import dataclasses
 
     from jaxinfer.loading import hf_tensors_to_flat
-    from jaxinfer.models.llama import params_from_flat
+    from jaxinfer.models.registry import params_from_flat
     from jaxinfer.quality import tail_logits
 
     for case, field, value in (("bloom", "positions", "none"), ("mpt-6-heads-clip", "clip_qkv", None)):
         hf = build_hf(case)
         d = dict(hf.config.to_dict(), architectures=[CASES[case][0]])
-        cfg = ModelConfig.from_hf(d)
+        cfg = config_from_hf(d)
         flat = hf_tensors_to_flat(cfg, {k: v.detach().numpy() for k, v in hf.state_dict().items()})
         # the same weights without the ALiBi bias / without the clamp
         cfg2 = dataclasses.replace(cfg, gpt=dataclasses.replace(cfg.gpt, **{field: value}))

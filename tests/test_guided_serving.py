@@ -158,3 +158,64 @@ def test_unconstrained_neighbours_keep_their_tokens(server, client):
             c = f.result().choices[0]
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+def test_tool_choice_auto_streamed_through_the_client(server, client):
+    """tool_choice auto, streamed: whatever the model chooses, the stream is well formed
+    (content deltas, or tool-call deltas whose arguments parse) and equals the same request
+    not streamed."""
+    kw = dict(model=server.engine.model_name, messages=ASK, max_tokens=60, temperature=0,
+              tools=[WEATHER, TIME], tool_choice="auto")
+    r = client.chat.completions.create(**kw).choices[0]
+    text, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            text += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                cur = calls.setdefault(tc.index, {"name": "", "args": ""})
+                cur["name"] += (tc.function.name or "") if tc.function else ""
+                cur["args"] += (tc.function.arguments or "") if tc.function else ""
+    assert finish == r.finish_reason
+    if r.message.tool_calls:
+        assert finish == "tool_calls"
+        assert [c["name"] for c in calls.values()] == [c.function.name for c in r.message.tool_calls]
+        assert [json.loads(c["args"]) for c in calls.values()] == [
+            json.loads(c.function.arguments) for c in r.message.tool_calls]
+    else:
+        assert not calls and text == r.message.content
+
+
+def test_guided_json_grammar_and_logit_bias_requests(server, client):
+    """vLLM's guided_json and guided_grammar, and OpenAI's logit_bias, over HTTP."""
+    model = server.engine.model_name
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.completions.create(model=model, prompt="Answer as JSON:", max_tokens=20, temperature=0,
+                                  extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    lark = 'start: "yes" | "no" | "maybe"'
+    r = client.completions.create(model=model, prompt="Will it rain?", max_tokens=8, temperature=0,
+                                  extra_body={"guided_grammar": lark})
+    assert r.choices[0].text in ("yes", "no", "maybe")
+    plain = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0)
+    first = server.engine.tokenizer.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1,
+                                       temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+
+
+def test_grammar_over_the_size_limit_is_400(server, client):
+    """A regex or a JSON schema over the grammar size limit comes back as a 400 that says so
+    (never a 500, never a hung request), and the server keeps serving."""
+    with pytest.raises(openai.BadRequestError, match="over the limit"):
+        client.completions.create(model=server.engine.model_name, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a" * 70_000})
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,9}"}
+                                            for i in range(1500)}}
+    with pytest.raises(openai.BadRequestError, match="over the limit"):
+        client.chat.completions.create(model=server.engine.model_name, messages=ASK, max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "big", "schema": big}})
+    r = client.completions.create(model=server.engine.model_name, prompt="The sky is", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")      # the server still serves

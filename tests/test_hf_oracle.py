@@ -67,6 +67,35 @@ FAMILIES: list[Family] = [
     Family("qwen2", _cfg("Qwen2Config")),
     Family("qwen3", _cfg("Qwen3Config", head_dim=32)),
 ]
+# Phi-3: fused checkpoint tensors, a sliding window shorter than the longer prompts, rotary
+# on half of each head, longrope in its short regime (original_max_position_embeddings is
+# the engine's max_model_len; the long regime: tests/test_phi3.py).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
+                 "long_factor": [2.0, 3.0, 5.0, 8.0]}
+FAMILIES += [
+    Family("phi3-longrope-window-partial", _cfg("Phi3Config", sliding_window=24, partial_rotary_factor=0.5,
+                                                original_max_position_embeddings=128, pad_token_id=0,
+                                                rope_scaling=PHI3_LONGROPE)),
+]
+# Gemma 3: sliding (window 24) and global layers with their own rope bases (linear scaling
+# on the global ones), q/k norms, (1 + w) norms, scaled embeddings, final soft-capping.
+FAMILIES += [
+    Family("gemma3-sliding-global", _cfg(
+        "Gemma3TextConfig", head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=8.0, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+]
+# Mixture of experts (models/mixtral.py): Mixtral with a sliding window, top-2 of 8 experts;
+# Qwen3-MoE with top-3 of 8 renormalized, q/k norms and a dense layer (mlp_only_layers).
+# Tensor parallelism and Qwen2-MoE's shared expert: tests/test_moe.py.
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=24)
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, head_dim=32,
+                 norm_topk_prob=True, mlp_only_layers=[1])
+FAMILIES += [
+    Family("mixtral-window", _cfg("MixtralConfig", **MIXTRAL)),
+    Family("qwen3-moe", _cfg("Qwen3MoeConfig", **QWEN3_MOE)),
+]
 # The GPT-style families (models/gpt.py), each with its own config field names; the
 # variants of each (post-norm OPT, old Falcon, multi-head BigCode, ...) are checked against
 # HF's logits in tests/test_gpt_families.py.
@@ -249,7 +278,7 @@ TINY_ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
                       page_buckets=(8,), decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                       prefill_buckets=((2, 16),))
 TINY_PROMPT_LENS = (5, 23, 40, 61, 9, 33)
-TINY_MAX_TOKENS = (20, 12, 24, 16, 30, 8)
+TINY_MAX_TOKENS = (20, 12, 24, 16, 32, 8)    # one request of 32 greedy tokens per family
 
 
 def tiny_prompts(vocab: int) -> list[list[int]]:

@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.config import ModelConfig, SamplingParams  # noqa: E402
+from jaxinfer.models.registry import config_from_hf  # noqa: E402
+from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.loading import hf_tensors_to_flat  # noqa: E402
-from jaxinfer.models.llama import params_from_flat  # noqa: E402
+from jaxinfer.models.registry import params_from_flat  # noqa: E402
 from jaxinfer.reference import ReferenceGenerator  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -64,7 +65,7 @@ def tiny_hf_model(arch: str, **overrides):
 
 
 def ours_from_torch(d, model, dtype="float32"):
-    cfg = ModelConfig.from_hf(d)
+    cfg = config_from_hf(d)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return params_from_flat(cfg, hf_tensors_to_flat(cfg, sd))
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import (ragged_paged_attention_gpu,
+from pallas_kernels.attention.pallas import (ragged_paged_attention_gpu,
                                                    ragged_paged_attention_tpu,
                                                    reference_on_step_layout)
 

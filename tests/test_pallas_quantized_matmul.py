@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quantized_matmul import (QuantizedWeight, dequantize, quantize,
-                                             quantize_int4, quantize_int8,
-                                             quantized_matmul_gpu,
-                                             quantized_matmul_reference,
-                                             quantized_matmul_tpu, quantized_matmul_xla)
+from pallas_kernels.quantized_matmul.pallas import quantized_matmul_gpu, quantized_matmul_tpu
+from pallas_kernels.quantized_matmul.xla import (QuantizedWeight, dequantize, quantize, quantize_int4,
+                                                 quantize_int8, quantized_matmul_reference,
+                                                 quantized_matmul_xla)
 
 # x in f32: float reordering only; bf16: x and the output are bf16 (one rounding of each)
 TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}

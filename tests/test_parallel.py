@@ -224,7 +224,8 @@ def test_replicated_kv_heads_match_grouped_attention():
 
 def test_auto_tensor_parallel_size():
     """-tp auto: the largest size the model's head counts allow on the visible devices."""
-    from jaxinfer.cli import build_parser, engine_config
+    from jaxinfer.engine_args import engine_config
+    from serving.cli import build_parser
 
     smol = _cfg(num_heads=9, num_kv_heads=3, intermediate_size=1536, vocab_size=49152)
     assert sharding.auto_tp_size(smol, 8) == 3

@@ -160,7 +160,8 @@ def test_data_parallel_admission_prefers_the_longest_cached_prefix():
 
 
 def test_engine_config_defaults_and_cli_flag():
-    from jaxinfer.cli import build_parser, engine_config
+    from jaxinfer.engine_args import engine_config
+    from serving.cli import build_parser
 
     assert EngineConfig().enable_prefix_caching
     args = build_parser().parse_args(["generate", "hi"])

@@ -65,10 +65,10 @@ def test_quantization_errors_name_the_problem(tiny):
 
 def test_dispatch_picks_kernels_by_backend():
     from jaxinfer.attention import dispatch
-    from jaxinfer.attention.xla import ragged_paged_attention
-    from pallas_kernels import ragged_paged_attention as rpa
+    from pallas_kernels.attention.xla import ragged_paged_attention
+    from pallas_kernels.attention import pallas as rpa
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels.attention import cpu as cpu_attention
 
     # CPU: the C++ kernel for float32 pages where it builds, else the jnp path
     want = ("cpp", cpu_attention.ragged_paged_attention) if cpu_attention.available() else \
@@ -117,9 +117,9 @@ def test_int8_pages_attention_matches_reference_and_ignores_unused_pages():
     on the same pages dequantized; NaN scales in unused pages and page 0 change nothing."""
     import jax.numpy as jnp
 
-    from jaxinfer.attention.xla import ragged_paged_attention
+    from pallas_kernels.attention.xla import ragged_paged_attention
     from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv
-    from pallas_kernels.ragged_paged_attention import reference_on_step_layout
+    from pallas_kernels.attention.pallas import reference_on_step_layout
 
     rng = np.random.default_rng(0)
     N, ps, KVH, D, H = 12, 16, 2, 32, 4

@@ -34,7 +34,7 @@ def _cli_flags() -> dict[str, set[str]]:
     """'generate', 'serve', 'bench serve', ... -> that (sub)command's option strings."""
     import argparse
 
-    from jaxinfer import cli
+    from serving import cli
 
     out: dict[str, set[str]] = {}
 
@@ -90,7 +90,7 @@ def test_every_flag_the_readme_names_exists():
 def test_environment_variables_read_are_the_documented_ones():
     """The environment variables the project's code reads are exactly those cli.py's
     docstring lists (and the README names each)."""
-    from jaxinfer import cli
+    from serving import cli
 
     read = set()
     for d in ("jaxinfer", "serving", "pallas_kernels"):

@@ -42,3 +42,28 @@ def test_row_sum_bits_do_not_depend_on_the_rows_beside():
     full = np.asarray(f(x))
     for t in ROWS:
         np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{t} rows")
+
+
+NORMS = {
+    "rms_norm_plus_one": (lambda a, w: L.rms_norm_plus_one(a, w, 1e-6),
+                          lambda x, w: x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * (1 + w)),
+    "layer_norm": (lambda a, w: L.layer_norm(a, w, w[::-1], 1e-5),
+                   lambda x, w: (x - x.mean(-1, keepdims=True))
+                   / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w + w[::-1]),
+}
+
+
+@pytest.mark.parametrize("d", [64, 576, 640])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_gemma_and_layer_norm_bits_do_not_depend_on_the_rows_beside(norm, d):
+    """Gemma's (1 + w) RMSNorm and the GPT families' LayerNorm, as rms_norm above."""
+    ours, reference = NORMS[norm]
+    rng = np.random.default_rng(d)
+    x = jnp.asarray((rng.normal(size=(64, d)) + 0.5).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(d,)).astype(np.float32))
+    f = jax.jit(lambda a: ours(a, w))
+    full = np.asarray(f(x))
+    for t in ROWS:
+        np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{norm}: {t} rows")
+    ref = reference(np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert np.abs(full - ref).max() / np.abs(ref).max() < 1e-6

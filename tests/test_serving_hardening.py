@@ -207,7 +207,7 @@ def test_abort_counter_counts_clients_gone_before_first_output():
 def _serve_args(argv: list[str], monkeypatch, env: dict[str, str] | None = None):
     """Run ``jaxinfer serve argv`` up to the server -> the api_key it would serve with."""
     import serving.server
-    from jaxinfer import cli
+    from serving import cli
 
     seen = {}
     monkeypatch.setattr(serving.server, "serve_main", lambda args: (seen.__setitem__("key", args.api_key), 0)[1])

@@ -71,7 +71,7 @@ def test_kv_pool_sized_from_what_the_configuration_can_use():
 def test_kv_cache_memory_flag_takes_sizes_with_units():
     import argparse
 
-    from jaxinfer.cli import _byte_size
+    from jaxinfer.engine_args import byte_size as _byte_size
 
     assert [_byte_size(s) for s in ("123", "512M", "2G", "1GiB", "1.5g")] == \
         [123, 512 << 20, 2 << 30, 1 << 30, 3 << 29]

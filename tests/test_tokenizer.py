@@ -225,9 +225,9 @@ def test_chat_messages_validated(ours, messages, match):
 # ------------------------------------------------------------------ synthetic vocabularies
 def _bpe_meta(pre: str, **extra) -> dict:
     """A tiny byte-level BPE vocabulary: all 256 byte symbols, a few merges, two controls."""
-    from jaxinfer.loading.tokenizer import _byte_alphabet
+    from jaxinfer.loading.tokenizer import byte_alphabet
 
-    symbols = list(_byte_alphabet().values())
+    symbols = list(byte_alphabet().values())
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġ 1", "1 2", "12 3"]
     tokens = ["<bos>", "<eos>"] + symbols + [m.replace(" ", "") for m in merges] + ["<think>"]
     types = [3, 3] + [1] * (len(tokens) - 3) + [4]

@@ -1,6 +1,6 @@
 """A non-editable install works: the wheel built from this tree, installed into a fresh
 venv outside the source tree, builds each C++ CPU kernel from the files it ships and the
-engine uses them (a wheel without pallas_kernels/cpu/work_share.h once built none, and the
+engine uses them (a wheel without pallas_kernels/work_share.h once built none, and the
 engine silently took XLA's slower path).
 
 Fast on purpose: the fresh venv reuses this one's dependencies (a path entry to its
@@ -32,7 +32,11 @@ pytestmark = [pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is N
 PROBE = r"""
 import json, pathlib, sys
 import jaxinfer, pallas_kernels, serving
-from pallas_kernels import cpu_attention, cpu_build, cpu_f32_matmul, cpu_matmul
+from pallas_kernels import cpu_build
+from pallas_kernels.attention import cpu as cpu_attention
+from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
+from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+from jaxinfer.attention import dispatch
 from jaxinfer import matmul as M
 
 cpu_build.build_all_in_background()      # as the engine does at start: all three side by side
@@ -40,7 +44,7 @@ ok = {m.__name__: (m.available(), m.unavailable_reason())
       for m in (cpu_f32_matmul, cpu_matmul, cpu_attention)}
 print(json.dumps({
     "files": [m.__file__ for m in (jaxinfer, pallas_kernels, serving)],
-    "kernel_sources": str(cpu_build.SOURCE_DIR),
+    "kernel_sources": str(cpu_build.PACKAGE_DIR),
     "built": sorted(p.name for p in cpu_build.cache_dir().glob("*.so")),
     "available": ok,
     "attention": dispatch.select("auto")[0],

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 TINY = {
     # heads divide tp 1/2/4; tp 8 repeats each of the 4 KV heads twice
@@ -32,6 +33,21 @@ GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4)]   # (dp, tp)
 GRID_OF = {"llama_8q4kv": GRID, "qwen_8q2kv": [(1, 1), (1, 4), (1, 8), (2, 4)]}
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 19, list(range(100, 160, 3)),
            [42], list(range(300, 270, -1))]
+
+
+def run_on_fake_devices(script: str, payload: Any, devices: int, timeout: int = 600) -> Any:
+    """``python script json(payload)`` with ``devices`` fake CPU devices (the device count
+    is fixed when JAX starts, so multi-device runs need a process of their own); the JSON
+    object on the last line of its output. The test modules' TP workers use this."""
+    import pathlib
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, script, json.dumps(payload)], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 class ByteTokenizer:

@@ -1,14 +1,14 @@
 """Backend -> attention implementation, chosen once at start-up and logged.
 
-All implementations share one signature (see attention/xla.py): q [T, H, D], the layer's
+All implementations share one signature (see pallas_kernels/attention/xla.py): q [T, H, D], the layer's
 K/V pages, kv_lens, q_lens, page_table, and the static bucket layout.
 
 * ``xla``: the pure-jnp ragged paged attention — any backend, any KV dtype, and the
   reference every kernel is tested against (bitwise batch-invariant on XLA:CPU).
-* ``cpp``: pallas_kernels/cpu_attention.py — a C++ kernel through jax.ffi for XLA:CPU,
+* ``cpp``: pallas_kernels/attention/cpu.py — a C++ kernel through jax.ffi for XLA:CPU,
   float32 pages (bitwise batch-invariant by construction). 5x the jnp path's speed on a
   32-sequence decode, 1.8x on a 512-token prefill chunk (benchmarks/attention_cpu.py).
-* ``pallas``: pallas_kernels/ragged_paged_attention.py — the Mosaic kernel on TPU, the
+* ``pallas``: pallas_kernels/attention/pallas.py — the Mosaic kernel on TPU, the
   Triton kernel on GPU. Not available on CPU (its tests run it there in interpret mode).
 * ``auto``: ``pallas`` on TPU / GPU; on CPU ``cpp`` for float32 pages when the kernel
   builds (a C++ compiler is there), else ``xla``. ALiBi models (BLOOM, MPT) always get
@@ -49,24 +49,24 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
         if backend in ("tpu", "gpu"):
             name = "pallas"
         else:
-            from pallas_kernels import cpu_attention
+            from pallas_kernels.attention import cpu as cpu_attention
             name = "cpp" if backend == "cpu" and f32_pages and cpu_attention.available() else "xla"
     if name == "cpp":
         if backend != "cpu" or not f32_pages:
             raise ValueError(f"attention: 'cpp' needs the CPU backend and a float32 KV cache "
                              f"(here: backend {backend!r}, KV {jnp.dtype(kv_dtype).name}); "
                              "use 'xla' or 'auto'")
-        from pallas_kernels import cpu_attention
+        from pallas_kernels.attention import cpu as cpu_attention
         if not cpu_attention.available():
             raise ValueError(f"attention: the 'cpp' kernel cannot be built here: "
                              f"{cpu_attention.unavailable_reason()}")
         fn = cpu_attention.ragged_paged_attention
     elif name == "xla":
-        from jaxinfer.attention.xla import ragged_paged_attention as fn
+        from pallas_kernels.attention.xla import ragged_paged_attention as fn
     elif backend == "tpu":
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu as fn
+        from pallas_kernels.attention.pallas import ragged_paged_attention_tpu as fn
     elif backend == "gpu":
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu as fn
+        from pallas_kernels.attention.pallas import ragged_paged_attention_gpu as fn
     else:
         raise ValueError(f"attention: 'pallas' needs a TPU or GPU backend, this one is {backend!r} "
                          "(use 'xla' or 'auto')")

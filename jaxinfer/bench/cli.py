@@ -21,7 +21,9 @@ import sys
 from typing import Any
 
 
-def add_bench_parser(sub: Any, add_engine_args: Any) -> None:
+def add_bench_parser(sub: Any, add_engine_args: Any, make_app: Any = None) -> None:
+    """``make_app(engine)``: the ASGI app ``bench serve`` starts when given no --base-url
+    (the caller's server; this package does not import serving)."""
     b = sub.add_parser("bench", help="benchmark: throughput | latency (in-process) | serve (HTTP)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, doc in (("throughput", "offline throughput: every request queued at once"),
@@ -36,7 +38,7 @@ def add_bench_parser(sub: Any, add_engine_args: Any) -> None:
         if name == "serve":
             _add_serve(p)
         add_engine_args(p)      # the engine (serve: only when it starts its own server)
-        p.set_defaults(func=run, bench_command=name)
+        p.set_defaults(func=run, bench_command=name, make_app=make_app)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -89,7 +91,7 @@ def _percentiles(text: str) -> list[float]:
 
 
 def _build_engine(args: argparse.Namespace, max_seqs: int) -> Any:
-    from jaxinfer.cli import engine_config
+    from jaxinfer.engine_args import engine_config
     from jaxinfer.engine.engine import Engine
 
     print("bench: loading the model and compiling ...", file=sys.stderr, flush=True)
@@ -147,11 +149,9 @@ def _run_serve(args: argparse.Namespace, engine: Any, requests: list) -> tuple[l
               seed=args.seed, api_key=args.api_key, timeout=args.timeout, warmup=args.num_warmups)
     if args.base_url:
         return asyncio.run(serve.run(args.base_url.rstrip("/"), requests, **kw))
-    from jaxinfer.engine.async_engine import AsyncEngine
-    from serving.app import build_app
-
-    aeng = AsyncEngine(engine)
-    with serve.serve_app_in_thread(build_app(aeng)) as url:
+    if args.make_app is None:
+        raise ValueError("bench serve: --base-url is required (no server to start here)")
+    with serve.serve_app_in_thread(args.make_app(engine)) as url:
         return asyncio.run(serve.run(url, requests, **kw))
 
 

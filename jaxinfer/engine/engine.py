@@ -80,7 +80,10 @@ class Engine:
                                  mc.max_position_embeddings)
         from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
-        models = [quantize_model(m, config.quantization) for m in R.place_replicas(loaded, meshes)]
+        from jaxinfer.models.base import fit_context
+
+        models = [quantize_model(fit_context(m, self.max_model_len), config.quantization)
+                  for m in R.place_replicas(loaded, meshes)]
         if not config.quantization and not meshes:
             models = [prepare_float_for_cpu(m) for m in models]
         # keep the quantized model, not the float one (the caller's LoadedModel is untouched);

@@ -91,7 +91,7 @@ class LoraAdapter:
 def lora_targets(cfg: Any) -> dict[str, LoraTarget]:
     """PEFT module name ("model.layers.3.self_attn.q_proj") -> the target, from the
     model family's weight table (cfg: ModelConfig)."""
-    from jaxinfer.models.base import weight_specs
+    from jaxinfer.models.registry import weight_specs
 
     out: dict[str, LoraTarget] = {}
     for path, spec in weight_specs(cfg).items():

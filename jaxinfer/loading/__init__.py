@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.base import params_from_flat, weight_specs
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.models.registry import model_class
+from jaxinfer.models.registry import config_from_hf, model_class, params_from_flat, weight_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -42,17 +41,26 @@ def hf_tensors_to_flat(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     """HF-named tensors ([out, in] layout) -> our paths and layout, checking every shape."""
     flat: dict[str, np.ndarray] = {}
     for path, spec in weight_specs(cfg).items():
+        if spec.hf_experts:      # one tensor per expert, stacked
+            flat[path] = np.stack([_hf_tensor(spec, tensors, spec.hf_name.format(e=e), spec.shape[1:])
+                                   for e in range(spec.hf_experts)])
+            continue
         name = spec.hf_name if spec.hf_name in tensors or spec.hf_alt not in tensors else spec.hf_alt
-        if name not in tensors:
-            raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
-        t = tensors[name]
-        if spec.hf_take is not None:
-            t = spec.hf_take(t)
-        want = tuple(reversed(spec.shape)) if spec.transpose else spec.shape
-        if tuple(t.shape) != want:
-            raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(t.shape)}, expected {want}")
-        flat[path] = t.T if spec.transpose else t
+        flat[path] = _hf_tensor(spec, tensors, name, spec.shape)
     return flat
+
+
+def _hf_tensor(spec: Any, tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor ``name`` in our layout of ``shape`` (spec: its WeightSpec)."""
+    if name not in tensors:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    t = tensors[name]
+    if spec.hf_take is not None:
+        t = spec.hf_take(t)
+    want = (*shape[:-2], shape[-1], shape[-2]) if spec.transpose else shape
+    if tuple(t.shape) != want:
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+    return np.swapaxes(t, -1, -2) if spec.transpose else t
 
 
 def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None
@@ -74,7 +82,7 @@ def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = 
 
 def _build(hf_config: dict[str, Any], tensors: dict[str, np.ndarray], dtype: Any, mesh: Any = None
            ) -> tuple[ModelConfig, Any]:
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them
     return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh)
 
@@ -84,7 +92,7 @@ def load_hf_dir(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.tokenizer import Tokenizer
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
-    ModelConfig.from_hf(hf_config)   # validate before reading weights
+    config_from_hf(hf_config)   # validate before reading weights
     cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
@@ -115,10 +123,10 @@ def read_config(model: str | None = None) -> ModelConfig:
 
     path = model_path(model)
     if os.path.isdir(path):
-        return ModelConfig.from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
+        return config_from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
     if path.endswith(".gguf"):
         from jaxinfer.loading.gguf import read_gguf_config
-        return ModelConfig.from_hf(read_gguf_config(path))
+        return config_from_hf(read_gguf_config(path))
     raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
 
 

@@ -47,13 +47,13 @@ def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
     tensor-parallel shards (KV-head weights that must be repeated come back replicated,
     then are repeated and re-placed)."""
     import orbax.checkpoint as ocp
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.registry import config_from_hf
     from jaxinfer.loading import LoadedModel
     from jaxinfer.loading.safetensors import read_json
     from jaxinfer.loading.tokenizer import Tokenizer
     from jaxinfer import sharding
     from jaxinfer.loading import build_model
-    from jaxinfer.models.base import weight_specs
+    from jaxinfer.models.registry import weight_specs
 
     path = os.path.abspath(path)
     meta = read_json(os.path.join(path, MARKER), "converted checkpoint marker")
@@ -61,7 +61,7 @@ def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
         raise ValueError(f"{path}: converted with format {meta.get('format_version')}, "
                          f"this jaxinfer reads format {FORMAT_VERSION}: convert again")
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     saved_dtype = np.dtype(meta["dtype"]) if meta.get("dtype") != "bfloat16" else jax.numpy.bfloat16
     specs = weight_specs(cfg)
     if mesh is None:

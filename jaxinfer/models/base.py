@@ -8,6 +8,7 @@ A family (models/<family>.py) is a module class with two static methods, ``weigh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -21,17 +22,21 @@ from jaxinfer.config import ModelConfig
 
 @dataclass(frozen=True, slots=True)
 class WeightSpec:
-    """One weight: our shape (matmul weights are [in, out]), logical axes, HF source."""
+    """One weight: our shape (matmul weights are [in, out]; expert weights [experts, in,
+    out]), logical axes, HF source."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]   # logical axis names; sharding.py maps them to mesh axes
     hf_name: str
-    transpose: bool = False        # HF/torch stores linear weights as [out, in]
+    transpose: bool = False        # HF/torch stores linear weights as [out, in] (swap the last two axes)
     init: str = "normal"           # "normal" | "ones" | "zeros" (random init for tests)
     # The part of the HF tensor that is this weight, taken before the transpose (a fused
     # q/k/v checkpoint tensor -> its q, k or v rows); None: the whole tensor.
     hf_take: Callable[[np.ndarray], np.ndarray] | None = None
     hf_alt: str | None = None      # the name other writers use (e.g. without the base prefix)
+    # > 0: one HF tensor per expert, ``hf_name`` holding "{e}" for its index, stacked on a
+    # new leading axis (each taken and transposed on its own)
+    hf_experts: int = 0
 
 
 MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]   # x [T, K], w [K, N] -> [T, N]
@@ -48,6 +53,19 @@ class AttentionFn(Protocol):
                  cache: Any) -> tuple[jax.Array, Any]: ...
 
 
+def fused_part(t: np.ndarray, *, sizes: tuple[int, ...], part: int, axis: int = 0,
+               groups: int = 1) -> np.ndarray:
+    """Part ``part`` of a checkpoint tensor that fuses several projections: its features
+    along ``axis`` are ``groups`` repeats of blocks of ``sizes`` features (GPT-2's q/k/v:
+    one group of (D, D, D); BLOOM's: one group per head; Phi-3's gate/up: one group of
+    (F, F)). A WeightSpec's ``hf_take`` is this with the layout bound (functools.partial)."""
+    t = np.moveaxis(t, axis, 0)
+    g = t.reshape(groups, sum(sizes), *t.shape[1:])
+    off = sum(sizes[:part])
+    out = g[:, off:off + sizes[part]].reshape(groups * sizes[part], *t.shape[1:])
+    return np.moveaxis(out, 0, axis)
+
+
 def init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
     if spec.init == "ones":
         return jnp.ones(spec.shape, dtype)
@@ -57,25 +75,15 @@ def init_value(spec: WeightSpec, key: jax.Array, dtype: Any) -> jax.Array:
 
 
 
-def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """The weight table of ``cfg``'s family."""
-    from jaxinfer.models.registry import model_class
-
-    return model_class(cfg.architecture).weight_specs(cfg)
-
-
-def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
-                     place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
-                     ) -> nnx.Module:
-    """Build the module with every weight taken from ``flat`` (our paths -> arrays).
+def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
+                 place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
+                 ) -> nnx.Module:
+    """Build family ``cls``'s module with every weight taken from ``flat`` (our paths -> arrays).
 
     The module is created abstractly (no random init is materialized), then filled.
     ``place(logical_axes, host_array)`` puts each weight where it lives (sharding.placer:
     each device gets only its slice); by default the default device.
     """
-    from jaxinfer.models.registry import model_class
-
-    cls = model_class(cfg.architecture)
     specs = cls.weight_specs(cfg)
     missing = [p for p in specs if p not in flat]
     if missing:
@@ -106,4 +114,23 @@ def get_param(model: nnx.Module, path: str) -> nnx.Param:
 
 def flat_params(model: nnx.Module) -> dict[str, jax.Array]:
     """Our paths -> arrays (for saving and inspection)."""
-    return {path: get_param(model, path)[...] for path in weight_specs(model.cfg)}
+    return {path: get_param(model, path)[...] for path in type(model).weight_specs(model.cfg)}
+
+
+def fit_context(model: nnx.Module, max_model_len: int) -> nnx.Module:
+    """``model`` set up for sequences of up to ``max_model_len`` tokens, once per engine:
+    longrope (config.RopeScaling) takes its long factors when max_model_len exceeds the
+    model's original_max_position_embeddings, else its short ones, for every token alike
+    (a token's rotation may not depend on its neighbours or on how long its sequence grew).
+    Otherwise (and when nothing changes) the module itself; else a new module sharing its
+    arrays, the given one untouched."""
+    rs = model.cfg.rope_scaling
+    use_long = rs is not None and max_model_len > rs.original_max_position_embeddings
+    if rs is None or rs.rope_type != "longrope" or use_long == rs.use_long:
+        return model
+    cfg = dataclasses.replace(model.cfg, rope_scaling=dataclasses.replace(rs, use_long=use_long))
+    model = nnx.merge(*nnx.split(model))
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "cfg"):
+            module.cfg = cfg
+    return model

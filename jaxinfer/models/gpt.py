@@ -23,14 +23,13 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
-from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec, init_value
-from jaxinfer.models.gpt_config import FusedQKV, config_from_hf
+from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec, fused_part, init_value
+from jaxinfer.models.gpt_config import config_from_hf
 from jaxinfer.models.llama import DecoderLayer
 
 # Each family's HF tensor names: the model-level prefix, then names under it ({i}: layer).
@@ -62,16 +61,6 @@ _NAMES: dict[str, dict[str, str]] = {
                 up="ffn.up_proj", down="ffn.down_proj", lm_head="lm_head.weight"),
 }
 _NAMES["gpt_bigcode"] = _NAMES["gpt2"]
-
-
-def _fused_part(t: np.ndarray, *, layout: FusedQKV, part: int, axis: int) -> np.ndarray:
-    """Part ``part`` (0 q, 1 k, 2 v) of a fused q/k/v tensor whose output features lie
-    along ``axis`` in ``layout``'s order."""
-    t = np.moveaxis(t, axis, 0)
-    g = t.reshape(layout.groups, sum(layout.sizes), *t.shape[1:])
-    off = sum(layout.sizes[:part])
-    out = g[:, off:off + layout.sizes[part]].reshape(layout.groups * layout.sizes[part], *t.shape[1:])
-    return np.moveaxis(out, 0, axis)
 
 
 def _layer_norm_names(cfg: ModelConfig, names: dict[str, str]) -> dict[str, str]:
@@ -124,8 +113,9 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
                                                   ("wv", "bv", Hkv, "kv_heads"))):
             if g.qkv is not None:
                 src = hf + names["qkv"]
-                take_w = functools.partial(_fused_part, layout=g.qkv, part=j, axis=0 if lin else 1)
-                take_b = functools.partial(_fused_part, layout=g.qkv, part=j, axis=0)
+                take_w = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j,
+                                           axis=0 if lin else 1)
+                take_b = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j)
             else:
                 src, take_w, take_b = hf + names[("q", "k", "v")[j]], None, None
             specs[f"{p}.{w}"] = WeightSpec((D, width), ("embed", axis), f"{src}.weight", lin, hf_take=take_w)

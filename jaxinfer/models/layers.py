@@ -27,7 +27,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rms_norm_plus_one(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: scale by (1 + weight), all in float32, then cast (HF Gemma3RMSNorm)."""
     x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    var = row_sum(x32 * x32)[..., None] / x.shape[-1]       # fixed order, as rms_norm
     return (x32 * jax.lax.rsqrt(var + eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -52,6 +52,9 @@ def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> n
         return inv
     if rs.rope_type == "linear":
         return (inv / np.float32(rs.factor)).astype(np.float32)
+    if rs.rope_type == "longrope":   # per-frequency divisors (config.RopeScaling)
+        shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+        return (1.0 / (np.asarray(rs.ext_factors, np.float32) * (np.float32(theta) ** shape))).astype(np.float32)
     # llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
     old = rs.original_max_position_embeddings
     low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
@@ -63,8 +66,16 @@ def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved form)."""
+def rope_attention_factor(cfg: ModelConfig, layer: int = 0) -> float:
+    """The factor cos and sin are multiplied by (longrope's attention_factor), else 1."""
+    rs = cfg.layer_rope(layer)[1]
+    return rs.attention_factor if rs is not None and rs.rope_type == "longrope" else 1.0
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """positions i32[T] -> cos, sin f32[T, head_dim] (halves repeated, HF's non-interleaved
+    form), each times ``scale`` (rope_attention_factor)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     # Computed once per step, then handed through a conditional XLA cannot see through
@@ -74,6 +85,8 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     # per head and element: ~50 ms of a 512-token prefill, for the same values.
     # (lax.optimization_barrier does not stop that: XLA:CPU drops it before fusion.)
     cos_sin = jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)          # [T, 2 * head_dim]
+    if scale != 1.0:
+        cos_sin = cos_sin * np.float32(scale)
     cos_sin = jax.lax.cond(positions.reshape(-1)[0] > 0, lambda t: t, lambda t: t + 0.0, cos_sin)
     return cos_sin[:, :emb.shape[1]], cos_sin[:, emb.shape[1]:]
 
@@ -94,6 +107,15 @@ def _no_fma(prod: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.where(like == like, prod, jnp.zeros_like(prod))
 
 
+def as_computed(y: jax.Array) -> jax.Array:
+    """``y`` unchanged, behind a select XLA cannot see through (``y == y`` holds for every
+    non-NaN value): a bf16 dot followed by a cast to float32 is otherwise folded into one
+    float32-output dot, which skips the bf16 rounding, for some row counts only (XLA:CPU,
+    measured: 2..32 rows yes, a 32-row tile inside lax.map no), so the bits of a row would
+    depend on how many rows share its step."""
+    return jnp.where(y == y, y, jnp.zeros_like(y))
+
+
 def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [T, heads, head_dim]; cos/sin [T, rotary_dim]: rotary on the first rotary_dim
     features of each head, the rest passed through (GPT-NeoX's rotary_pct)."""
@@ -106,8 +128,9 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: float) -> jax.Array:
     """x [..., D]: LayerNorm (mean and variance in float32, as torch's on float32 input)."""
     x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    # fixed summation orders (reductions.row_sum), as rms_norm
+    mean = row_sum(x32)[..., None] / x.shape[-1]
+    var = row_sum(jnp.square(x32 - mean))[..., None] / x.shape[-1]
     y = ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
     return y if bias is None else y + bias
 

@@ -25,7 +25,7 @@ from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 # Re-exported: the family-neutral pieces used to live here and are imported from here.
 from jaxinfer.models.base import (AttentionFn, MatmulFn, WeightSpec, flat_params,  # noqa: F401
-                                  init_value, params_from_flat)
+                                  init_value)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
@@ -109,7 +109,7 @@ class DecoderLayer(nnx.Module):
         v = v.reshape(T, -1, hd)
         if cfg.qk_norm:
             q, k = self.norm(q, self.q_norm[...]), self.norm(k, self.k_norm[...])
-        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        q, k = L.apply_partial_rope(q, cos, sin), L.apply_partial_rope(k, cos, sin)
         o, cache = attn(self.index, q, k, v, cache)                       # [T, Hq, hd]
         o = L.all_reduce(mm(o.reshape(T, -1), self.wo[...]), tp_axis)        # [T, D]
         if cfg.o_bias:
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nnx.Module):
         return L.embed_lookup(self.embed[...], tokens, tp_axis)
 
     def rope(self, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-        """positions i32[T] -> each layer's (cos, sin) [T, head_dim], computed once per
+        """positions i32[T] -> each layer's (cos, sin) [T, rotary_dim], computed once per
         distinct (base, scaling) (ModelConfig.layer_rope)."""
         cfg, by_params = self.cfg, {}
         out = []
@@ -177,7 +177,8 @@ class LlamaForCausalLM(nnx.Module):
             key = cfg.layer_rope(i)
             if key not in by_params:
                 # inv_freq is a numpy constant computed at trace time (not a parameter)
-                by_params[key] = L.rope_cos_sin(positions, L.rope_inv_freq(cfg, layer=i))
+                by_params[key] = L.rope_cos_sin(positions, L.rope_inv_freq(cfg, cfg.rotary_dim, layer=i),
+                                                L.rope_attention_factor(cfg, i))
             out.append(by_params[key])
         return out
 

@@ -17,31 +17,19 @@ the XLA path (attention/dispatch.py logs which one it took).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_build
-from pallas_kernels.quantized_matmul import QuantizedWeight
+from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
 TARGET = "jaxinfer_int8_matmul"
-_KERNEL = cpu_build.Kernel("int8_matmul.cc", {TARGET: "JaxinferInt8Matmul"}, "int8 matmul")
+_KERNEL = cpu_build.Kernel("quantized_matmul/int8_matmul.cc", {TARGET: "JaxinferInt8Matmul"}, "int8 matmul")
 
 
-def build() -> Path:
-    """Compile the kernel (or find it in the cache) -> path of the shared library.
-    Raises RuntimeError naming what failed."""
-    return cpu_build.build(_KERNEL.source)
-
-
-def available() -> bool:
-    """True once the kernel is built, loaded and registered with XLA:CPU (done once)."""
-    return _KERNEL.available()
-
-
-def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+# built, loaded and registered with XLA:CPU once, on the first available()
+available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_reason, _KERNEL.build
 
 
 PANEL = 32   # columns per panel of the packed layout

@@ -1,22 +1,11 @@
-"""``jaxinfer`` command line: generate, convert, serve, bench.
-
-Config is read here once (flags -> EngineConfig / SamplingParams). The environment
-variables jaxinfer itself reads are these three (tests/test_readme.py checks the list):
-``$JAXINFER_API_KEY`` (here: the ``serve`` key when no flag gives one), and, in
-pallas_kernels/cpu_build.py, ``$CXX`` (the compiler for the C++ CPU kernels, default g++)
-and ``$JAXINFER_KERNEL_CACHE`` (where built kernels are kept, default
-~/.cache/jaxinfer/kernels): how the kernels are built, not how the engine runs. Nothing
-else below the CLI reads the environment (the libraries read their own: XLA_FLAGS, JAX_*).
-"""
+"""The engine's command-line options, in one place: ``jaxinfer generate``, ``serve`` and
+``bench`` all take them (serving/cli.py, serving/server.py, jaxinfer/bench/cli.py), and
+``engine_config`` turns them into the one ``EngineConfig`` (config is read once, here)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
-import time
-from typing import Any
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
 
@@ -34,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="BYTES",
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
                    help="KV cache size, e.g. 536870912, 512M or 2G (default: what max-num-seqs "
                         "sequences of max-model-len tokens need, up to 1 GiB on CPU)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting sequences before 503")
@@ -68,12 +57,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-weights", choices=["none", "host"], default="none",
                    help="host: layers whose weights exceed --device-weight-memory stay in host memory "
                         "and are streamed to the device a layer ahead of use")
-    p.add_argument("--device-weight-memory", type=_byte_size, default=None, metavar="BYTES",
+    p.add_argument("--device-weight-memory", type=byte_size, default=None, metavar="BYTES",
                    help="device budget for resident weights with --offload-weights host, e.g. 2G")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve PEFT LoRA adapters beside the base model (implied by --lora-modules)")
-    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
                    help="adapters to load at start: a request picks one with model=NAME (OpenAI) "
                         "or adapter_id=NAME (TGI)")
     g.add_argument("--max-loras", type=int, default=4, help="adapters one step can mix (device slots)")
@@ -81,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters loaded at once, in host memory (default: 4 x --max-loras)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=None,
+    g.add_argument("--tensor-parallel-size", "-tp", type=tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "
                         "'auto': the largest size the model allows on the visible devices "
                         "(default: 1, or auto with --coordinator)")
@@ -100,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def _byte_size(s: str) -> int:
+def byte_size(s: str) -> int:
     """Bytes: an integer, or one with a K/M/G/T suffix (powers of 1024; "KiB"/"KB" read alike)."""
     t = s.strip().lower().removesuffix("ib").removesuffix("b")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in _UNITS else (t, "")
@@ -113,14 +102,15 @@ def _byte_size(s: str) -> int:
     return int(v)
 
 
-def _lora_module(s: str) -> tuple[str, str]:
+def lora_module(s: str) -> tuple[str, str]:
+    """--lora-modules NAME=PATH -> (name, path)."""
     name, sep, path = s.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {s!r}")
     return name, path
 
 
-def _tp_size(s: str) -> int:
+def tp_size(s: str) -> int:
     if s == "auto":
         return 0
     try:
@@ -170,17 +160,15 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         **speculative_options(args), **lora_options(args))
 
 
+def lora_options(args: argparse.Namespace) -> dict:
+    return dict(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
 def speculative_options(args: argparse.Namespace) -> dict:
     names = ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
              "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
-
-
-def lora_options(args: argparse.Namespace) -> dict:
-    if not hasattr(args, "lora_modules"):
-        return {}
-    return dict(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
-                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -205,145 +193,3 @@ def sampling_params(args: argparse.Namespace):
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxinfer.engine.engine import Engine
-
-    params = sampling_params(args)
-    prompt: Any = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt.strip():
-        raise ValueError("prompt: empty (pass it as an argument or on stdin)")
-    if args.chat:
-        prompt = [{"role": "user", "content": prompt}]
-    init_distributed(args)
-    t0 = time.perf_counter()
-    print("loading model and compiling buckets ...", file=sys.stderr)
-    engine = Engine(args.model, config=engine_config(args, default_max_seqs=1, default_warmup="lazy"),
-                    progress=True)
-    if engine.is_follower:
-        engine.follow()
-        return 0
-    print(f"ready in {time.perf_counter() - t0:.1f}s (load {engine.loaded.load_seconds:.1f}s, "
-          f"compile {engine.compile_seconds:.1f}s)", file=sys.stderr)
-    rid = engine.add_request(prompt, params, lora=args.lora)
-    printed = 0
-    t1 = time.perf_counter()
-    final = None
-    while final is None:
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-            if out.finished and out.request_id == rid:
-                final = out
-    dt = time.perf_counter() - t1
-    engine.shutdown()
-    n = len(final.outputs[0].token_ids)
-    sys.stdout.write("\n")
-    print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
-          file=sys.stderr)
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxinfer.loading import checkpoint, load_model
-
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, args.dtype)
-    out = checkpoint.save(loaded, args.output)
-    print(f"converted {loaded.source} -> {out} in {time.perf_counter() - t0:.1f}s "
-          f"(load it with --model {out})")
-    return 0
-
-
-def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
-    """The serve API key: --api-key, else --api-key-file, else $JAXINFER_API_KEY (as vLLM reads
-    $VLLM_API_KEY), else None. A file or the environment keeps the key out of `ps`."""
-    if args.api_key and args.api_key_file:
-        raise ValueError("--api-key and --api-key-file: give one of them")
-    if args.api_key_file:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            key = f.readline().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file}: the first line is empty")
-        if os.stat(args.api_key_file).st_mode & 0o077:
-            logging.getLogger("jaxinfer").warning("--api-key-file %s is readable by other users "
-                                                  "(chmod 600 it)", args.api_key_file)
-        return key
-    return args.api_key or environ.get("JAXINFER_API_KEY") or None
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from serving.server import serve_main
-
-    args.api_key = resolve_api_key(args, os.environ)
-    init_distributed(args)
-    import jax
-
-    if jax.process_count() > 1 and jax.process_index() != 0:
-        # Only process 0 serves HTTP; the others replay its steps until it stops.
-        from jaxinfer.engine.engine import Engine
-
-        engine = Engine(args.model, config=engine_config(args, default_max_seqs=_serve_max_seqs()),
-                        progress=False)
-        print(f"jaxinfer: process {jax.process_index()} following process 0", file=sys.stderr, flush=True)
-        engine.follow()
-        return 0
-    return serve_main(args)
-
-
-def _serve_max_seqs() -> int:
-    from serving.server import DEFAULT_SERVE_MAX_SEQS
-
-    return DEFAULT_SERVE_MAX_SEQS
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    g.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--lora", default=None, metavar="NAME",
-                   help="generate with this adapter (one of --lora-modules)")
-    add_engine_args(g)
-    add_sampling_args(g)
-    g.set_defaults(func=cmd_generate)
-
-    c = sub.add_parser("convert", help="convert a checkpoint to an orbax dir (fast restarts)")
-    add_model_args(c)
-    c.add_argument("--output", required=True, help="output directory")
-    c.set_defaults(func=cmd_convert)
-
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(s)
-    try:
-        from serving.server import add_serve_args
-        add_serve_args(s)
-    except ImportError:   # serving extras missing: the subcommand explains at run time
-        pass
-    s.set_defaults(func=cmd_serve)
-
-    from jaxinfer.bench.cli import add_bench_parser
-
-    add_bench_parser(sub, add_engine_args)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The CPU ragged paged attention: a C++ kernel (cpu/paged_attention.cc) called through jax.ffi.
 
-Same signature and meaning as ``jaxinfer.attention.xla.ragged_paged_attention`` (the step
+Same signature and meaning as ``pallas_kernels.attention.xla.ragged_paged_attention`` (the step
 layout of engine/batch.py: ``num_decode`` one-token slots, then slots of ``prefill_chunk``
 rows), for float32 KV pages. It reads K and V in place through the page table, where the
 jnp version gathers every 64-token block into a copy inside an XLA while loop. Each
@@ -22,17 +22,12 @@ import numpy as np
 from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_paged_attention"
-_KERNEL = cpu_build.Kernel("paged_attention.cc", {TARGET: "JaxinferPagedAttention"},
+_KERNEL = cpu_build.Kernel("attention/paged_attention.cc", {TARGET: "JaxinferPagedAttention"},
                            "paged attention")
 
 
-def available() -> bool:
-    """True once the kernel is built, loaded and registered with XLA:CPU (done once)."""
-    return _KERNEL.available()
-
-
-def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+# built, loaded and registered with XLA:CPU once, on the first available()
+available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_reason, _KERNEL.build
 
 
 @functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
@@ -45,7 +40,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D]; kv_lens, q_lens i32[S];
     page_table i32[S, P]. Returns [T, H, D] in q's dtype (f32 math). Call ``available()``
     first: it registers the kernel."""
-    from jaxinfer.attention.xla import check_args
+    from pallas_kernels.attention.xla import check_args
 
     check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
     if hasattr(k_pages, "scale") or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,7 +28,7 @@ from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
-_KERNEL = cpu_build.Kernel("f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
+_KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
                                              TARGET_PANELS: "JaxinferF32MatmulPanels"}, "f32 matmul")
 PANEL = 16   # columns per panel: the GEMM's register tile width
 
@@ -82,19 +81,8 @@ def panel(w: jax.Array) -> PanelledF32 | jax.Array:
     return PanelledF32(jnp.asarray(w).reshape(K, N // PANEL, PANEL).transpose(1, 0, 2))
 
 
-def build() -> Path:
-    """Compile the kernel (or find it in the cache) -> path of the shared library.
-    Raises RuntimeError naming what failed."""
-    return cpu_build.build(_KERNEL.source)
-
-
-def available() -> bool:
-    """True once the kernel is built, loaded and registered with XLA:CPU (done once)."""
-    return _KERNEL.available()
-
-
-def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+# built, loaded and registered with XLA:CPU once, on the first available()
+available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_reason, _KERNEL.build
 
 
 @functools.partial(jax.jit, inline=True)

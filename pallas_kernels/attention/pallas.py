@@ -1,6 +1,6 @@
 """Ragged paged attention as Pallas kernels: a TPU (Mosaic) lowering and a GPU (Triton) lowering.
 
-Same meaning and signature as the engine's pure-jnp path (``jaxinfer/attention/xla.py``,
+Same meaning and signature as the engine's pure-jnp path (``pallas_kernels/attention/xla.py``,
 whose docstring is the contract): q [T, H, D] laid out as ``num_decode`` one-token slots
 then ``num_prefill`` slots of ``prefill_chunk`` positions; K/V pages [N, page_size, KVH, D]
 already hold this step's K/V; query j of slot s sits at ``kv_lens[s] - q_lens[s] + j`` and
@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxinfer.attention.xla import layout_q_starts, ragged_paged_attention_reference
+from pallas_kernels.attention.xla import layout_q_starts, ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention_tpu", "ragged_paged_attention_gpu",
            "ragged_paged_attention_reference", "reference_on_step_layout"]
@@ -624,7 +624,7 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                interpret: bool | Any = False, kv_block: int | None = None,
                                rows_per_block: int | None = None) -> jax.Array:
-    """Mosaic TPU kernel; signature and meaning of ``jaxinfer.attention.xla.ragged_paged_attention``.
+    """Mosaic TPU kernel; signature and meaning of ``pallas_kernels.attention.xla.ragged_paged_attention``.
 
     interpret: False on a TPU; ``pltpu.InterpretParams()`` runs the kernel on CPU with the
     TPU's memories, DMAs and semaphores simulated (tests). kv_block: KV tokens per block
@@ -645,7 +645,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                interpret: bool | Any = False, kv_block: int | None = None,
                                rows_per_block: int | None = None,
                                kv_split_blocks: int | None = None) -> jax.Array:
-    """Triton GPU kernel; signature and meaning of ``jaxinfer.attention.xla.ragged_paged_attention``.
+    """Triton GPU kernel; signature and meaning of ``pallas_kernels.attention.xla.ragged_paged_attention``.
 
     interpret: False on a GPU; True runs the same kernel through Pallas' generic
     interpreter on CPU (tests). head_dim and page_size must be powers of two. kv_block and

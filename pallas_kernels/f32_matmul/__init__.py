@@ -1,0 +1,2 @@
+"""The float32 matmul's C++ CPU kernel (``cpu.py`` + ``f32_matmul.cc``): every output one
+k-ordered FMA chain, so bitwise batch-invariant; its reference is in ``cpu.py``."""

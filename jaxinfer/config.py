@@ -580,6 +580,15 @@ class EngineConfig:
     # allow on the visible devices / data_parallel_size) and independent replicas.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Pipeline parallelism (engine/pipeline.py): the layers cut into this many stages, each
+    # on its own devices (x tensor_parallel_size), a step's sequences in micro-batches that
+    # flow through the stages so they overlap.
+    pipeline_parallel_size: int = 1
+    # Weight offload (engine/offload.py): "host" keeps the layers whose weights do not fit
+    # ``device_weight_memory`` bytes (after the embedding / head and the layers before
+    # them) in host memory, streamed to the device a layer ahead; "none" keeps all resident.
+    offload_weights: str = "none"
+    device_weight_memory: int | None = None
     # Weight-only quantization of every matmul weight at load time: None | "int8" | "int4"
     # (jaxinfer/quantization.py).
     quantization: str | None = None
@@ -616,6 +625,17 @@ class EngineConfig:
     # prefill bucket gets a scoring twin that also computes all positions' logits
     # (engine/scoring.py), compiled after the others; off, such requests are refused.
     enable_prompt_logprobs: bool = False
+    # Multi-LoRA (engine/lora.py, engine/lora_device.py): PEFT adapters served beside the
+    # base model, a request picking one by name. ``max_loras`` device slots of rank
+    # ``max_lora_rank`` (static: the step's adapter arrays are [K, max_loras * max_lora_rank]),
+    # swapped least-recently-used from up to ``max_cpu_loras`` registered adapters (None:
+    # 4 x max_loras). ``lora_modules``: (name, directory) pairs loaded at start; they turn
+    # LoRA on, as does ``enable_lora`` (adapters loaded later, e.g. over HTTP).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
     decode_buckets: tuple[int, ...] | None = None
     mixed_decode_buckets: tuple[int, ...] | None = None
     # (slots, positions per slot): a chunk longer than a slot fills several, so one shape
@@ -624,6 +644,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
+    MAX_LORA_RANK = 64
     HOST_KV_CACHE_RAM_FRACTION = 0.1
 
     def __post_init__(self) -> None:
@@ -631,7 +652,8 @@ class EngineConfig:
                  f"must be float32 or bfloat16, got {self.dtype!r}")
         _require(self.page_size in (8, 16, 32, 64, 128), "page_size",
                  f"must be one of 8, 16, 32, 64, 128, got {self.page_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps",
+                     "pipeline_parallel_size"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
@@ -639,6 +661,9 @@ class EngineConfig:
         _require(self.warmup in (None, "full", "background", "lazy"), "warmup",
                  f"must be 'full', 'background', 'lazy' or None, got {self.warmup!r}")
         _check_speculative(self)
+        _check_lora(self)
+        _check_pipeline(self)
+        _check_offload(self)
         _require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype",
                  f"must be None (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
@@ -658,6 +683,60 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages",
                  "must be >= 2 (page 0 is the padding sink)")
+
+
+def _check_offload(c: "EngineConfig") -> None:
+    _require(c.offload_weights in ("none", "host"), "offload_weights",
+             f"must be 'none' or 'host', got {c.offload_weights!r}")
+    v = c.device_weight_memory
+    _require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "device_weight_memory",
+             f"must be a positive number of bytes or None, got {v!r}")
+    if c.offload_weights == "none":
+        return
+    _require(v is not None, "device_weight_memory", "offload_weights='host' needs the device budget in bytes")
+    for name, bad in (("tensor_parallel_size", c.tensor_parallel_size != 1),
+                      ("pipeline_parallel_size", c.pipeline_parallel_size > 1), ("enable_lora", c.enable_lora)):
+        _require(not bad, name, "cannot be combined with offload_weights='host' yet (one device per replica, "
+                 "no LoRA)")
+
+
+def _check_pipeline(c: "EngineConfig") -> None:
+    """Options a pipelined engine cannot run yet (the model-dependent checks, e.g. that the
+    stages divide the layers, are engine/pipeline.py's)."""
+    if c.pipeline_parallel_size == 1:
+        return
+    for name, bad, why in (
+            ("num_scheduler_steps", c.num_scheduler_steps > 1, "multi-step decode runs on one device"),
+            ("enable_lora", c.enable_lora, "LoRA slot arrays are not split into stages yet"),
+            ("host_kv_cache_memory", bool(c.host_kv_cache_memory), "the host KV tier copies whole-model pages"),
+            ("debug_poison_freed_pages", c.debug_poison_freed_pages, "page poisoning copies whole-model pages"),
+            ("quantization", c.quantization is not None, "quantized weights are not split into stages yet")):
+        _require(not bad, name, f"cannot be combined with pipeline_parallel_size={c.pipeline_parallel_size} ({why})")
+
+
+def _check_lora(c: "EngineConfig") -> None:
+    """(Adapter names and files are checked when the engine loads them: engine/lora.py.)"""
+    mods = c.lora_modules.items() if isinstance(c.lora_modules, dict) else c.lora_modules
+    try:
+        mods = tuple((n, p) for n, p in mods)
+    except (TypeError, ValueError):
+        raise ValueError(f"lora_modules: expected (name, path) pairs, got {c.lora_modules!r:.80}") from None
+    _require(all(isinstance(x, str) and x for m in mods for x in m), "lora_modules",
+             "names and paths must be non-empty strings")
+    _require(len({n for n, _ in mods}) == len(mods), "lora_modules", "a name appears twice")
+    object.__setattr__(c, "lora_modules", mods)
+    if mods:
+        object.__setattr__(c, "enable_lora", True)
+    _require(isinstance(c.max_loras, int) and not isinstance(c.max_loras, bool) and 1 <= c.max_loras <= 256,
+             "max_loras", f"must be an integer in [1, 256], got {c.max_loras!r}")
+    _require(isinstance(c.max_lora_rank, int) and not isinstance(c.max_lora_rank, bool)
+             and 1 <= c.max_lora_rank <= c.MAX_LORA_RANK, "max_lora_rank",
+             f"must be an integer in [1, {c.MAX_LORA_RANK}], got {c.max_lora_rank!r}")
+    if c.max_cpu_loras is None:
+        object.__setattr__(c, "max_cpu_loras", 4 * c.max_loras)
+    _require(isinstance(c.max_cpu_loras, int) and c.max_cpu_loras >= max(c.max_loras, len(mods)),
+             "max_cpu_loras", f"must be an integer >= max_loras ({c.max_loras}) and the number of "
+             f"lora_modules ({len(mods)}), got {c.max_cpu_loras!r}")
 
 
 def _check_speculative(c: "EngineConfig") -> None:

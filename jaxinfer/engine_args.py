@@ -64,6 +64,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of every matmul weight at load time")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="KV pages: the model's dtype (auto) or int8 with a scale per token and head")
+    p.add_argument("--offload-weights", choices=["none", "host"], default="none",
+                   help="host: layers whose weights exceed --device-weight-memory stay in host memory "
+                        "and are streamed to the device a layer ahead of use")
+    p.add_argument("--device-weight-memory", type=byte_size, default=None, metavar="BYTES",
+                   help="device budget for resident weights with --offload-weights host, e.g. 2G")
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
+                   help="adapters to load at start: a request picks one with model=NAME (OpenAI) "
+                        "or adapter_id=NAME (TGI)")
+    g.add_argument("--max-loras", type=int, default=4, help="adapters one step can mix (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (<= 64)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters loaded at once, in host memory (default: 4 x --max-loras)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "
@@ -71,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: 1, or auto with --coordinator)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="independent replicas (each its own scheduler and KV cache)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages the layers are cut into (each on tensor-parallel-size "
+                        "devices); a step's sequences flow through them in micro-batches")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: jax.distributed coordinator (process 0's address)")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -92,6 +110,14 @@ def byte_size(s: str) -> int:
     if not 1 <= v < 1 << 50:
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 2G, got {s!r}")
     return int(v)
+
+
+def lora_module(s: str) -> tuple[str, str]:
+    """--lora-modules NAME=PATH -> (name, path)."""
+    name, sep, path = s.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {s!r}")
+    return name, path
 
 
 def tp_size(s: str) -> int:
@@ -138,8 +164,16 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
+        pipeline_parallel_size=args.pipeline_parallel_size, offload_weights=args.offload_weights,
+        device_weight_memory=args.device_weight_memory,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        enable_prompt_logprobs=args.enable_prompt_logprobs, **speculative_options(args))
+        enable_prompt_logprobs=args.enable_prompt_logprobs, **speculative_options(args),
+        **lora_options(args))
+
+
+def lora_options(args: argparse.Namespace) -> dict:
+    return dict(enable_lora=args.enable_lora, lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def speculative_options(args: argparse.Namespace) -> dict:

@@ -1,8 +1,10 @@
 """The device mesh and the one table from logical weight axes to mesh axes.
 
-Mesh axes: ("data", "model"). "data" indexes independent engine replicas (each its own
-scheduler and KV cache, see engine/engine.py); "model" is Megatron tensor parallelism
-inside one replica. No other module names a mesh axis: they ask this one.
+Mesh axes: ("data", "stage", "model"). "data" indexes independent engine replicas (each its
+own scheduler and KV cache, see engine/engine.py); "stage" splits a replica's layers into
+pipeline stages (engine/pipeline.py: every weight and KV page of a layer lives on the
+stage that owns it, stacked along a leading axis split over "stage"); "model" is Megatron
+tensor parallelism inside one stage. No other module names a mesh axis: they ask this one.
 
 Tensor parallelism of the Llama family (models/llama.py runs the per-device body under
 ``jax.shard_map``):
@@ -27,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA = "data"
+STAGE = "stage"
 MODEL = "model"
 
 # Logical axis (models/llama.py WeightSpec.axes) -> mesh axis. None: replicated.
@@ -46,22 +49,24 @@ def kv_pages_spec(ndim: int) -> P:
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,
-              devices: Sequence[Any] | None = None) -> Mesh:
-    """A ("data", "model") mesh over the first dp * tp devices (all processes' devices
-    under jax.distributed, process-major, so a model axis spans hosts only when it must)."""
+              devices: Sequence[Any] | None = None, pipeline_parallel_size: int = 1) -> Mesh:
+    """A ("data", "stage", "model") mesh over the first dp * pp * tp devices (all processes'
+    devices under jax.distributed, process-major, so a model axis spans hosts only when it
+    must, and stages before it)."""
     devices = list(jax.devices() if devices is None else devices)
-    need = tensor_parallel_size * data_parallel_size
+    tp, dp, pp = tensor_parallel_size, data_parallel_size, pipeline_parallel_size
+    need = tp * dp * pp
     if need > len(devices):
-        raise ValueError(f"tensor_parallel_size x data_parallel_size = {tensor_parallel_size} x "
-                         f"{data_parallel_size} = {need} devices, but only {len(devices)} "
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = "
+                         f"{tp} x {pp} x {dp} = {need} devices, but only {len(devices)} "
                          f"are visible ({devices[0].platform})")
-    grid = np.array(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
-    return Mesh(grid, (DATA, MODEL))
+    grid = np.array(devices[:need], dtype=object).reshape(dp, pp, tp)
+    return Mesh(grid, (DATA, STAGE, MODEL))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
-    """One ("data"=1, "model"=tp) mesh per data-parallel replica."""
-    return [Mesh(mesh.devices[i:i + 1], (DATA, MODEL)) for i in range(mesh.devices.shape[0])]
+    """One ("data"=1, "stage"=pp, "model"=tp) mesh per data-parallel replica."""
+    return [Mesh(mesh.devices[i:i + 1], (DATA, STAGE, MODEL)) for i in range(mesh.devices.shape[0])]
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, tp: int) -> int:
@@ -172,6 +177,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def pp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get(STAGE, 1)
+
+
+def stage_sharding(mesh: Mesh, spec: P) -> NamedSharding:
+    """A per-stage array: ``spec`` (the array's own, e.g. split over "model") behind a
+    leading axis split over "stage"."""
+    return NamedSharding(mesh, P(STAGE, *spec))
 
 
 def host_value(x: Any) -> np.ndarray:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import inspect
 import logging
@@ -49,6 +50,7 @@ from starlette.staticfiles import StaticFiles
 from jaxinfer.config import RequestOutput, SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
 from serving import guard
+from serving import lora_routes
 from serving.errors import ProtocolError, openai_error_body, tgi_error_body
 from serving.fields import MAX_STOP, Limits, short
 from serving.jsonio import dumps, parse_json_body
@@ -133,6 +135,10 @@ class ServerState:
             return self.served_model_names
         return (self.engine.model_name,) if self.engine is not None else ()
 
+    def all_model_names(self) -> tuple[str, ...]:
+        """The base model's names and the loaded LoRA adapters' (serving/lora_routes.py)."""
+        return self.model_names() + lora_routes.adapter_names(self.engine)
+
     def metric_model_name(self) -> str:
         names = self.model_names()
         return names[0] if names else ""
@@ -162,6 +168,9 @@ class ServerState:
                 vocab = getattr(tok, "vocab_size", None)
             self._limits = Limits(self.model_names(), int(engine.max_model_len),
                                     max(1, min(self.max_n, int(engine.max_num_seqs))), vocab)
+        names = self.all_model_names()
+        if names != self._limits.model_names:       # adapters were loaded or unloaded
+            self._limits = dataclasses.replace(self._limits, model_names=names)
         return self._limits
 
     def texts(self, engine: EngineLike) -> TokenTexts:
@@ -391,7 +400,9 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
     tgi = req.kind == "tgi"
     received = time.monotonic() if received is None else received
     tracker = st.metrics.tracker(_trace_hook(st, request, req, received))
-    gen = engine.generate(req.prompt_ids, req.params, req.request_id)
+    # a name that is not the base model's is a LoRA adapter's (the parser checked it is served)
+    lora = {} if req.model in st.model_names() else {"lora": req.model}
+    gen = engine.generate(req.prompt_ids, req.params, req.request_id, **lora)
     try:
         first = await race_disconnect(request, _first_output(gen, req))
     except BaseException as e:
@@ -555,22 +566,41 @@ async def tgi_generate_stream(request: Request, st: ServerState) -> Response:
     return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=True))
 
 
-def _model_card(st: ServerState, name: str) -> dict:
+def _model_card(st: ServerState, name: str, parent: str | None = None) -> dict:
+    """``parent``: the base model of a LoRA adapter's card (as vLLM lists adapters)."""
     e = st.engine
     return {"id": name, "object": "model", "created": st.started, "owned_by": "jaxinfer", "root": name,
-            "parent": None, "max_model_len": e.max_model_len if e is not None else None}
+            "parent": parent, "max_model_len": e.max_model_len if e is not None else None}
+
+
+async def load_lora_adapter(request: Request, st: ServerState) -> Response:
+    return await _lora_route(request, st, lora_routes.load_lora_adapter)
+
+
+async def unload_lora_adapter(request: Request, st: ServerState) -> Response:
+    return await _lora_route(request, st, lora_routes.unload_lora_adapter)
+
+
+async def _lora_route(request: Request, st: ServerState, handler: Callable[..., Awaitable[Response]]) -> Response:
+    engine = st.ready_engine()
+    guard.require_json(request.headers.get("content-type"))
+    limit = min(st.max_body_bytes, lora_routes.MAX_BODY_BYTES)
+    return await handler(st, engine, parse_json_body(await read_body(request, limit, st.read_timeout_s)))
 
 
 async def list_models(request: Request, st: ServerState) -> Response:
-    return json_response({"object": "list", "data": [_model_card(st, n) for n in st.model_names()]})
+    cards = [_model_card(st, n) for n in st.model_names()]
+    cards += [_model_card(st, n, parent=st.metric_model_name()) for n in lora_routes.adapter_names(st.engine)]
+    return json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: Request, st: ServerState) -> Response:
     name = request.path_params["model"]
-    if name not in st.model_names():
+    if name not in st.all_model_names():
         raise ProtocolError(f"model: {short(name)} is not served here", param="model", status=404,
                               code="model_not_found")
-    return json_response(_model_card(st, name))
+    base = name in st.model_names()
+    return json_response(_model_card(st, name, parent=None if base else st.metric_model_name()))
 
 
 async def tgi_info(request: Request, st: ServerState) -> Response:
@@ -690,6 +720,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
+        Route("/v1/load_lora_adapter", endpoint(load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", endpoint(unload_lora_adapter), methods=["POST"]),
         Route("/generate", endpoint(tgi_generate, tgi=True), methods=["POST"]),
         Route("/generate_stream", endpoint(tgi_generate_stream, tgi=True), methods=["POST"]),
         Route("/info", endpoint(tgi_info, tgi=True), methods=["GET"]),

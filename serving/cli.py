@@ -43,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     print(f"ready in {time.perf_counter() - t0:.1f}s (load {engine.loaded.load_seconds:.1f}s, "
           f"compile {engine.compile_seconds:.1f}s)", file=sys.stderr)
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(prompt, params, lora=args.lora)
     printed = 0
     t1 = time.perf_counter()
     final = None
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--lora", default=None, metavar="NAME",
+                   help="generate with this adapter (one of --lora-modules)")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxinfer.config import SamplingParams
 from serving.errors import ProtocolError, bad
-from serving.fields import SEED_MAX, Fields, Limits, type_name
+from serving.fields import SEED_MAX, Fields, Limits, short, type_name
 from serving.guided_protocol import tgi_grammar
 from serving.request import GenRequest, encode_text, resolve_max_tokens, sampling_params
 from serving.scoring_request import tgi_search
@@ -37,10 +37,14 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     if raw is not None and not isinstance(raw, dict):
         raise bad("parameters", f"must be an object, got {type_name(raw)}")
     f = Fields(raw or {}, "parameters.")
-    for key, why in (("adapter_id", "adapters"), ("truncate", "input truncation"),
+    for key, why in (("truncate", "input truncation"),
                      ("typical_p", "typical sampling")):
         f.reject_if_set(key, why)
     f.int("best_of", None, lo=1, hi=1)
+    adapter = f.str("adapter_id")       # a LoRA adapter's name (serving/lora_routes.py)
+    if adapter is not None and adapter not in limits.model_names:
+        raise bad("parameters.adapter_id", f"no adapter {short(adapter)} is loaded; available: "
+                  f"{', '.join(limits.model_names[1:]) or 'none'}", code="model_not_found")
     temperature = f.num("temperature", None)
     if temperature is not None and temperature <= 0:
         raise bad("parameters.temperature", f"must be strictly positive, got {temperature}")
@@ -76,6 +80,6 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
         stop=f.stop("stop"),
         logprobs=(top_n or 0) if want_logprobs else None,
     )
-    return GenRequest("tgi", limits.model_names[0], ids, inputs, params, stream=stream,
+    return GenRequest("tgi", adapter or limits.model_names[0], ids, inputs, params, stream=stream,
                       top_logprobs=top_n, tgi_details=details,
                       return_full_text=f.bool("return_full_text", False))

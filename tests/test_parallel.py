@@ -137,28 +137,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_one_model(grid):
-    """Two processes on 127.0.0.1 (gloo), one CPU device each, TP=2 spanning both: process 0
-    schedules and samples, process 1 replays every step; tokens identical to one process
-    with one device (the grid's 1x1 run of the same model, prompts and engine shape)."""
-    env = _env()
+def run_processes(worker: pathlib.Path, n: int, timeout: int = 600) -> list[dict]:
+    """``worker mp`` in ``n`` processes joined by jax.distributed on 127.0.0.1 -> each one's
+    JSON result, in process order."""
     coord = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", "--coordinator", coord,
-                               "--num-processes", "2", "--process-id", str(i), *_cache_args()],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), "mp", "--coordinator", coord,
+                               "--num-processes", str(n), "--process-id", str(i), *_cache_args()],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+             for i in range(n)]
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=600)
+            out, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, f"process failed:\n{out[-2000:]}\n{err[-4000:]}"
             outs.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    leader, follower = outs
+    return outs
+
+
+@pytest.mark.slow
+def test_two_processes_one_model(grid):
+    """Two processes on 127.0.0.1 (gloo), one CPU device each, TP=2 spanning both: process 0
+    schedules and samples, process 1 replays every step; tokens identical to one process
+    with one device (the grid's 1x1 run of the same model, prompts and engine shape)."""
+    leader, follower = run_processes(WORKER, 2)
     assert leader["tokens"] == grid["llama_8q4kv"]["1x1"]["tokens"]
     assert len(leader["devices"]) == 2
     assert follower["followed_steps"] == leader["steps"] > 0

@@ -66,14 +66,14 @@ class ByteTokenizer:
         return [chr(32 + i % 90) for i in ids]
 
 
-def tiny_loaded(name: str):
+def tiny_loaded(name: str, num_layers: int = 2):
     from flax import nnx
 
     from jaxinfer.config import ModelConfig
     from jaxinfer.loading import LoadedModel
     from jaxinfer.models.llama import LlamaForCausalLM
 
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=num_layers,
                       head_dim=16, max_position_embeddings=256, **TINY[name])
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     # Random biases and norms (init gives zeros / ones) so that their sharding is exercised,
@@ -88,9 +88,11 @@ def tiny_loaded(name: str):
     return LoadedModel(cfg, model, ByteTokenizer(), {}, name)
 
 
-def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool = False, **kw):
+def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool = False,
+               loras: list | None = None, **kw):
     """Greedy outputs, the logits row of every sampled token (per request, in order) and,
-    with ``hlo``, the collectives of each compiled step."""
+    with ``hlo``, the collectives of each compiled step. ``loras``: each prompt's LoRA
+    adapter name (tests/lora_tp_worker.py)."""
     import numpy as np
 
     from jaxinfer.config import SamplingParams
@@ -109,11 +111,13 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
 
     eng._postprocess = capture
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [eng.add_request(p, sp, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    ids = [eng.add_request(p, sp, request_id=f"r{i}", lora=loras[i] if loras else None)
+           for i, p in enumerate(prompts)]
     outs = eng.run_until_done(ids)
     leaked = eng.stats()["num_free_pages"] != eng.stats()["num_total_pages"]
     res = {"tokens": [o.outputs[0].token_ids for o in outs], "logits": [rows[i] for i in ids],
            "replicas": len(eng.replicas), "leaked_pages": leaked,
+           "preemptions": eng.stats()["num_preemptions_total"],
            "kv_heads_per_device": eng.kv_spec.num_kv_heads // tp}
     if hlo:
         res["hlo"] = {"num_layers": loaded.config.num_layers, "hidden_size": loaded.config.hidden_size,
@@ -125,7 +129,8 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
 def collectives(text: str, num_tokens: int) -> dict:
     c = {op: _count_ops(text, op) for op in
          ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
-    c["all_reduce_bytes"] = _all_reduce_bytes(text)
+    c["all_reduce_bytes"] = _op_bytes(text, "all-reduce")
+    c["all_gather_bytes"] = _op_bytes(text, "all-gather")
     c["num_tokens"] = num_tokens
     return c
 
@@ -167,13 +172,13 @@ def _count_ops(hlo: str, op: str) -> int:
     return len(re.findall(rf"= [^=]*? {re.escape(op)}(?:-start)?\(", hlo))
 
 
-def _all_reduce_bytes(hlo: str) -> list[int]:
-    """Bytes of each all-reduce's result, in program order."""
+def _op_bytes(hlo: str, op: str) -> list[int]:
+    """Bytes of each ``op`` collective's result (all-reduce, all-gather), in program order."""
     import re
 
     sizes = {"f32": 4, "bf16": 2, "s32": 4, "f16": 2}
     out = []
-    for m in re.finditer(r"= (f32|bf16|s32|f16)\[([\d,]*)\][^=]*? all-reduce(?:-start)?\(", hlo):
+    for m in re.finditer(rf"= (f32|bf16|s32|f16)\[([\d,]*)\][^=]*? {op}(?:-start)?\(", hlo):
         n = 1
         for d in filter(None, m.group(2).split(",")):
             n *= int(d)

@@ -67,7 +67,7 @@ class AsyncEngine:
         self.max_num_seqs = engine.config.max_num_seqs
         self._lock = threading.Lock()            # guards the inbox only; never held across a step
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple] = []            # ("add", id, ids, params, priority) | ("abort", id)
+        self._inbox: list[tuple] = []            # ("add", id, ids, params, priority, lora) | ("abort", id)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.is_dead = False
@@ -102,11 +102,11 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort(cmd[1])
             return
-        _, request_id, ids, params, priority = cmd
+        _, request_id, ids, params, priority, lora = cmd
         if request_id not in self._queues:       # the caller left before the loop got to it
             return
         try:
-            self.engine.add_request(ids, params, request_id, priority)
+            self.engine.add_request(ids, params, request_id, priority, **({"lora": lora} if lora else {}))
         except Exception as e:   # noqa: BLE001 - bad input, queue full: the caller's error
             self._deliver(request_id, e)
 
@@ -134,12 +134,13 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.encode_prompt, prompt)
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has ``finished=True``.
 
         A yielded output grows in place as later ones arrive (building a fresh copy per step
         is what made streaming quadratic): use it before asking for the next, or copy it.
-        Closing the iterator early (client gone, task cancelled) aborts the request."""
+        Closing the iterator early (client gone, task cancelled) aborts the request.
+        ``lora``: a loaded LoRA adapter's name (Engine.add_request)."""
         loop = asyncio.get_running_loop()
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -149,7 +150,7 @@ class AsyncEngine:
         acc = _Cumulative()
         try:
             text, ids = await self._encode(prompt)
-            self._post(("add", request_id, ids, params, priority))
+            self._post(("add", request_id, ids, params, priority, lora))
             posted = True
             while True:
                 item = await q.get()
@@ -178,6 +179,17 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id``: returns at once; the engine frees its pages between steps."""
         self._abort_now(request_id)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Engine.load_lora in a worker thread (reading the files takes a while); the
+        registry is thread-safe, so the engine keeps stepping meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def lora_names(self) -> list[str]:
+        return self.engine.lora_names()
 
     def stats(self) -> dict[str, Any]:
         # Reads plain ints/floats; a slightly stale snapshot is fine for metrics.

@@ -196,6 +196,7 @@ class StepBatch:
     reset_rows: np.ndarray      # bool[S] the slot starts a (re)computation: clear its row
     token_rows: np.ndarray      # i32[T]  penalty-state row of each token
     token_is_output: np.ndarray  # bool[T] token is a generated one (else prompt / padding)
+    lora_slots: np.ndarray      # i32[T]  device LoRA slot of each token's adapter (0: none / padding)
     entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
     # Scoring buckets (prompt logprobs): the token each position is scored against (the
     # next prompt token) and its top-k width (-1: not scored); ``scored`` maps rows back:
@@ -207,8 +208,11 @@ class StepBatch:
 
 def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
                rows_of: dict[int, int], lookahead: int = 0,
-               ready: Callable[[Bucket], bool] | None = None) -> StepBatch:
+               ready: Callable[[Bucket], bool] | None = None,
+               lora_slot_of: dict[int, int] | None = None) -> StepBatch:
     """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
+    ``lora_slot_of``: Sequence.lora_id -> its adapter's device slot (engine/lora.py); every
+    sequence of the step with a lora_id must be in it.
     ``lookahead``: the page table also covers this many positions past each chunk (a
     multi-step decode writes them on the device; their pages are already allocated).
     ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
@@ -225,6 +229,7 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     slot_mapping = np.zeros(T, np.int32) + np.arange(T, dtype=np.int32) % page_size
     token_rows = np.zeros(T, np.int32)
     token_is_output = np.zeros(T, bool)
+    lora_slots = np.zeros(T, np.int32)
     kv_lens = np.zeros(S, np.int32)
     q_lens = np.zeros(S, np.int32)
     page_table = np.zeros((S, P), np.int32)
@@ -251,6 +256,8 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         row = rows_of[seq.seq_id]
         token_rows[sl] = row
         token_is_output[sl] = pos >= seq.num_prompt_tokens
+        if seq.lora_id:
+            lora_slots[sl] = lora_slot_of[seq.lora_id]
         kv_lens[slot], q_lens[slot] = end, n
         npg = -(-(end + lookahead) // page_size)
         page_table[slot, :npg] = pages[:npg]
@@ -285,7 +292,7 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
             place(slot, b.num_decode + (slot - b.num_decode) * c, e, pages, start, n, start + n == end)
             slot += 1
     return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
-                     logits_index, rows, reset_rows, token_rows, token_is_output, entries,
+                     logits_index, rows, reset_rows, token_rows, token_is_output, lora_slots, entries,
                      score_targets, score_k, scored)
 
 
@@ -302,7 +309,7 @@ STEP_ARRAYS: dict[str, tuple[str, type]] = {
     "tokens": ("T", np.int32), "positions": ("T", np.int32), "slot_mapping": ("T", np.int32),
     "kv_lens": ("S", np.int32), "q_lens": ("S", np.int32), "page_table": ("SP", np.int32),
     "logits_index": ("S", np.int32), "rows": ("S", np.int32), "reset_rows": ("S", np.bool_),
-    "token_rows": ("T", np.int32), "token_is_output": ("T", np.bool_),
+    "token_rows": ("T", np.int32), "token_is_output": ("T", np.bool_), "lora_slots": ("T", np.int32),
     "score_targets": ("T", np.int32), "score_k": ("T", np.int32),
 }
 

@@ -373,14 +373,17 @@ class BlockManager:
         hs, ps = seq.page_hashes, self.page_size
         while len(hs) < num_pages:
             i = len(hs)
-            parent = hs[-1] if hs else root_hash(seq.params.cache_salt)
+            parent = hs[-1] if hs else root_hash(seq.params.cache_salt, seq.lora_id)
             hs.append(hash((parent, tuple(seq.token_ids_slice(i * ps, (i + 1) * ps)))))
         return hs
 
 
-def root_hash(cache_salt: str | None) -> int:
-    """The chain's seed: a salt gives its requests a chain of their own."""
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> int:
+    """The chain's seed: a salt gives its requests a chain of their own, and so does each
+    loaded LoRA adapter (its KV differs from the base model's for the same tokens)."""
     if cache_salt is None:
-        return _ROOT_HASH
-    # hash() of a str is randomized per process (PYTHONHASHSEED); a digest is not.
-    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+        root = _ROOT_HASH
+    else:
+        # hash() of a str is randomized per process (PYTHONHASHSEED); a digest is not.
+        root = int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+    return root if not lora_id else hash((root, "lora", lora_id))

@@ -89,6 +89,8 @@ class Engine:
         from jaxinfer.engine.speculative import make_speculator
         self.speculator = make_speculator(config)
         self.ladders = self._ladders()
+        from jaxinfer.engine.lora import make_registry
+        self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
         self.num_host_pages = R.host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
         if meshes and R.num_processes() > 1:
@@ -96,7 +98,7 @@ class Engine:
             if R.process_index() == 0:
                 self.publisher = StepPublisher()
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
-                                      m, mesh, attention, self.publisher)
+                                      m, mesh, attention, self.publisher, self.model_config, self.loras)
                          for m, mesh in zip(models, meshes or [None])]
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -107,6 +109,27 @@ class Engine:
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.compile_seconds = self._warmup(progress)
+
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter in directory ``path`` as ``name`` (vLLM's
+        /v1/load_lora_adapter); thread-safe: another thread may be stepping. Raises
+        lora.LoraError (a ValueError) naming what is wrong."""
+        self._lora_registry().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``: new requests for it are refused; running ones finish."""
+        self._lora_registry().remove(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names ([] when LoRA is off)."""
+        return [] if self.loras is None else self.loras.names()
+
+    def _lora_registry(self) -> Any:
+        if self.loras is None:
+            from jaxinfer.engine.lora import LoraError
+            raise LoraError("lora: LoRA is not enabled (start with --enable-lora or --lora-modules)")
+        return self.loras
 
     # The first replica's parts, for single-replica callers (benchmarks, tests).
     @property
@@ -148,6 +171,9 @@ class Engine:
         if self.speculator is not None:
             from jaxinfer.engine.speculative import spec_decode_sizes
             auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
+        if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
+            from jaxinfer.engine.pipeline import pipeline_ladders
+            auto = pipeline_ladders(auto, c.pipeline_parallel_size)
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
                              c.prefill_buckets or auto.prefill_shapes,
@@ -220,8 +246,9 @@ class Engine:
         raise ValueError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request; raises ValueError (bad input, too long) or QueueFullError."""
+                    request_id: str | None = None, priority: int = 0, lora: str | None = None) -> str:
+        """Queue a request; raises ValueError (bad input, too long, unknown adapter) or
+        QueueFullError. ``lora``: the name of a loaded LoRA adapter to run it with."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -238,10 +265,20 @@ class Engine:
             raise ValueError("prompt_logprobs: this engine has no scoring buckets "
                              "(EngineConfig.enable_prompt_logprobs, `--enable-prompt-logprobs`)")
         constraints = self._constraints(params) if params.constrained else None
-        seqs = make_sequences(request_id, ids, params, priority=priority)
-        beam = search.start(params, seqs, self.eos_token_ids, self.max_model_len)
-        replica = self._pick_replica(seqs[0])
-        self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        if lora is not None and params.beam_width > 1:
+            raise ValueError("lora: beam search with a LoRA adapter is not supported yet")
+        # one adapter reference per sequence, released as each finishes (_finish, abort)
+        num_seqs = params.best_of or params.n
+        lora_id = 0 if lora is None else self._lora_registry().acquire(lora, num_seqs)
+        try:
+            seqs = make_sequences(request_id, ids, params, priority=priority, lora_id=lora_id)
+            beam = search.start(params, seqs, self.eos_token_ids, self.max_model_len)
+            replica = self._pick_replica(seqs[0])
+            self.replicas[replica].scheduler.add(seqs)     # validates capacity; may raise QueueFullError
+        except BaseException:
+            if lora_id:
+                self.loras.release(lora_id, num_seqs)
+            raise
         seeds = [derive_seed(params.seed, i) if params.seed is not None
                  else int(self._rng.integers(0, 2**32)) for i in range(len(seqs))]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
@@ -284,7 +321,10 @@ class Engine:
         req = self.output.requests.pop(request_id, None)
         if req is None:
             return False
+        live = [s for s in req.seqs if not s.is_finished]
         self.replicas[req.replica].abort(request_id)
+        if live and live[0].lora_id:
+            self.loras.release(live[0].lora_id, len(live))
         return True
 
     def has_unfinished(self) -> bool:
@@ -365,10 +405,13 @@ class Engine:
         """The step's batch; while buckets still compile, in a compiled bucket that holds
         it, else in its own bucket compiled now (engine/warmup.py). A multi-step decode
         (``lookahead``) needs its own bucket's multi-step executable."""
+        lora = rep.runner.lora and rep.runner.lora.assign({e.seq.lora_id for e in sched.scheduled}, self.loras)
         if self.compiler.is_warm:
-            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead)
+            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead,
+                              lora_slot_of=lora)
         ready = None if lookahead else rep.runner.is_compiled
-        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready)
+        batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready,
+                           lora_slot_of=lora)
         self.compiler.ensure(rep.runner, batch.bucket)
         return batch
 
@@ -447,13 +490,19 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
         self.replicas[self.output.requests[seq.request_id].replica].finish(seq, reason, stop_reason)
+        if seq.lora_id:
+            self.loras.release(seq.lora_id)
 
     # ---- batch API ----------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt, all batched together; outputs in prompt order."""
+                 use_tqdm: bool = False, lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together; outputs in prompt order.
+        ``lora``: an adapter name for every prompt, or one per prompt (None: the base model)."""
         plist = normalize_prompts(prompts)
+        loras = [lora] * len(plist) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(plist):
+            raise ValueError(f"lora: {len(loras)} adapters given for {len(plist)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(plist)
         else:
@@ -462,8 +511,8 @@ class Engine:
                 raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
         ids = []
         try:
-            for p, sp in zip(plist, params):
-                ids.append(self.add_request(p, sp))
+            for p, sp, name in zip(plist, params, loras):
+                ids.append(self.add_request(p, sp, lora=name))
         except Exception:
             for rid in ids:
                 self.abort(rid)

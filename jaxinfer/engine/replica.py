@@ -58,16 +58,28 @@ class Replica:
 
 
 def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, num_host_pages: int,
-                 model: Any, mesh: Any, attention: str, publisher: Any) -> Replica:
+                 model: Any, mesh: Any, attention: str, publisher: Any, model_config: Any = None,
+                 loras: Any = None) -> Replica:
+    """``loras``: the engine's lora.LoraRegistry (multi-LoRA on) or None; ``model_config``
+    the loaded model's ModelConfig (before any KV-head repeat), which adapters are read for."""
     from jaxinfer.engine.runner import ModelRunner
 
     c = config
     bm = BlockManager(kv_spec.num_pages, c.page_size, c.enable_prefix_caching,
                       num_host_pages=num_host_pages, record_freed=c.debug_poison_freed_pages)
     sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, max_model_len, c.max_waiting,
-                      prefill_shapes=ladders.prefill_shapes)
+                      prefill_shapes=ladders.prefill_shapes, max_loras=c.max_loras if loras else None)
+    offload_layers: tuple[int, ...] = ()
+    if c.offload_weights == "host":
+        from jaxinfer.engine import offload
+        offload_layers = offload.plan(*offload.layer_bytes(model), c.device_weight_memory)
+    lora = None
+    if loras is not None:
+        from jaxinfer.engine.lora_device import LoraSlots
+        lora = LoraSlots(model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
     runner = ModelRunner(model, kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
-                         mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps)
+                         mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora,
+                         offload_layers=offload_layers)
     # beam search forks copy pages on the device: that copy is always there
     runner.enable_page_moves(bm.host.num_slots, host=bool(bm.host.num_slots or c.debug_poison_freed_pages))
     return Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)

@@ -47,8 +47,8 @@ def process_index() -> int:
 
 def replica_meshes(config: EngineConfig) -> list[Any]:
     """One mesh per data-parallel replica; [] for the plain single-device engine."""
-    tp, dp = config.tensor_parallel_size, config.data_parallel_size
-    if tp == 1 and dp == 1 and num_processes() == 1:
+    tp, dp, pp = config.tensor_parallel_size, config.data_parallel_size, config.pipeline_parallel_size
+    if tp == 1 and dp == 1 and pp == 1 and num_processes() == 1:
         return []
     from jaxinfer import sharding
 
@@ -58,10 +58,11 @@ def replica_meshes(config: EngineConfig) -> list[Any]:
         if dp > 1:
             raise ValueError("data_parallel_size > 1 with several processes is not supported: run "
                              "one engine per host instead, or use the hosts for tensor parallelism")
-        if tp != jax.device_count():
-            raise ValueError(f"tensor_parallel_size={tp}: with {num_processes()} processes the model "
-                             f"must span all {jax.device_count()} devices (every process runs the step)")
-    return sharding.replica_meshes(sharding.make_mesh(tp, dp))
+        if tp * pp != jax.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}: with "
+                             f"{num_processes()} processes the model must span all {jax.device_count()} "
+                             "devices (every process runs the step)")
+    return sharding.replica_meshes(sharding.make_mesh(tp, dp, pipeline_parallel_size=pp))
 
 
 def resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) -> EngineConfig:
@@ -73,7 +74,7 @@ def resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) 
     from jaxinfer.loading import read_config
 
     cfg = model_config or read_config(model)
-    tp = sharding.auto_tp_size(cfg, jax.device_count() // config.data_parallel_size)
+    tp = sharding.auto_tp_size(cfg, jax.device_count() // (config.data_parallel_size * config.pipeline_parallel_size))
     log.info("tensor_parallel_size auto: %d (%d devices)", tp, jax.device_count())
     return dataclasses.replace(config, tensor_parallel_size=tp)
 

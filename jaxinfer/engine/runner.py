@@ -81,36 +81,49 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
     return lax.cond(S.any_penalty(t), update, lambda p: p, pen)
 
 
-def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], *, bucket: Bucket,
-               attention: Callable, mm: Callable, tp_axis: str | None):
+def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=None, *, bucket: Bucket,
+               attention: Callable, mm: Callable, tp_axis: str | None, lora_shape=None,
+               offload_layers: tuple[int, ...] = ()):
     """The model over the ragged batch -> (logits f32[S, V], kv); a scoring bucket's
-    logits are every token position's, f32[T, V]. Per device under shard_map."""
+    logits are every token position's, f32[T, V]. Per device under shard_map.
+    ``lora_arrays`` / ``lora_shape`` (slots, rank): the LoRA slot arrays (lora_device.py);
+    ``offload_layers``: layers whose weights are in host memory (offload.py)."""
     model: LlamaForCausalLM = nnx.merge(graphdef, state)
+    if lora_shape is not None:
+        from jaxinfer.engine.lora_device import bind
+
+        bind(model, lora_arrays, arrays["lora_slots"], *lora_shape)
     cfg = model.cfg
     alibi = L.model_alibi_slopes(cfg)
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg,
                               None if alibi is None else L.local_heads(alibi, tp_axis))
+    if offload_layers:
+        from jaxinfer.engine import offload
+
+        attn = offload.bind(model, attn, offload_layers)
     index = None if bucket.score else arrays["logits_index"]
     return model(arrays["tokens"], arrays["positions"], kv, attn, index, mm, tp_axis)
 
 
 def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
-               t: S.SamplingTensors, *, bucket: Bucket, attention: Callable, mm: Callable,
-               mesh=None, state_specs=None, kv_specs=None):
+               t: S.SamplingTensors, lora_arrays=None, *, bucket: Bucket, attention: Callable, mm: Callable,
+               mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None,
+               body_fn: Callable = model_body, **body_opts):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V],
     kv, penalty state (and a scoring bucket's prompt scores, packed i32[T, 2 + 2K]:
     engine/scoring.py). The weights come as a flat list (``state_leaves`` of the treedef
     ``state_def``): flattening the nnx State on every call cost ~0.4 ms of Python per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
-    body = functools.partial(model_body, graphdef, bucket=bucket, attention=attention,
-                             mm=mm, tp_axis=None if mesh is None else shd.MODEL)
+    body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
+                             mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape,
+                             **body_opts)
     if mesh is not None:
         # check_vma off: the logits leave replicated by construction (all-gathered), which
         # the varying-axes checker cannot see through the attention's index arithmetic.
-        body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, kv_specs, shd.P()),
+        body = jax.shard_map(body, mesh=mesh, in_specs=(state_specs, kv_specs, shd.P(), lora_specs),
                              out_specs=(shd.P(), kv_specs), check_vma=False)
-    logits, kv = body(state, kv, arrays)
+    logits, kv = body(state, kv, arrays, lora_arrays)
     scores = None
     if bucket.score:
         scores = scoring.score_rows(logits, arrays["score_targets"], arrays["score_k"], NUM_LOGPROBS)
@@ -121,9 +134,9 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
 
 
 def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
-                    t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array, *,
-                    bucket: Bucket, max_steps: int, page_size: int, attention: Callable,
-                    mm: Callable):
+                    t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array,
+                    lora_arrays=None, *, bucket: Bucket, max_steps: int, page_size: int,
+                    attention: Callable, mm: Callable, lora_shape=None, offload_layers: tuple[int, ...] = ()):
     """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
     steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
     next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
@@ -155,8 +168,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                  token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
         ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
                                  prev_token=jnp.pad(tokens, (0, Sp - D)))     # the watermark's seed
-        logits, kv = model_body(graphdef, state, kv, a, bucket=bucket, attention=attention, mm=mm,
-                                tp_axis=None)
+        logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
+                                mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
         pen = _update_penalty_state(pen, ti, a)
         res = S.sample(logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1],
@@ -194,16 +207,34 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
-                 publisher: Any = None, num_scheduler_steps: int = 1):
+                 publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
+                 offload_layers: tuple[int, ...] = ()):
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
         self.num_scheduler_steps = num_scheduler_steps
+        # lora_device.LoraSlots of this replica (multi-LoRA), or None
+        self.lora = lora
+        body_opts: dict[str, Any] = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
+        if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
+            body_opts["offload_layers"] = tuple(offload_layers)
         self.cfg = model.cfg
         self.spec = spec
         self.mesh = mesh
         self.publisher = publisher
-        self.graphdef, self.state = nnx.split(model)
+        pipelined = shd.pp_size(mesh) > 1
+        if pipelined:         # layers cut into stages over the mesh's "stage" axis
+            from jaxinfer.engine import pipeline
+
+            pipeline.check(model, shd.pp_size(mesh))
+            self.graphdef, self.state = pipeline.stage_model(model, mesh)
+            body_opts["paged_attention_fn"] = paged_attention_fn
+        else:
+            self.graphdef, self.state = nnx.split(model)
+        if offload_layers:
+            from jaxinfer.engine import offload
+
+            self.state = offload.place(self.state, offload_layers)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
                                                                  kv_dtype=spec.dtype,
@@ -214,7 +245,7 @@ class ModelRunner:
             self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
             state_specs = kv_specs = None
         else:
-            self.kv = kvc.allocate_kv_cache(spec, mesh)
+            self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
             rep = shd.replicated(mesh)
             zeros = lambda shape, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rep)()  # noqa: E731
             self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
@@ -222,11 +253,18 @@ class ModelRunner:
             kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
         mm = M.select(batch_invariant, quantized=quantization.is_quantized(model))
+        if lora is not None:
+            from jaxinfer.engine.lora_device import with_lora
+
+            mm = with_lora(mm)
         self.compiler_options = quantization.cpu_compiler_options(model)
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, self.state_def,
                                                   attention=attn_impl,
                                                   mm=mm, mesh=mesh,
-                                                  state_specs=state_specs, kv_specs=kv_specs),
+                                                  state_specs=state_specs, kv_specs=kv_specs,
+                                                  lora_specs={} if lora is None else lora.specs(),
+                                                  body_fn=pipeline.stage_body if pipelined else model_body,
+                                                  **body_opts),
                                 static_argnames=("bucket",), donate_argnums=(1, 2))
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same
@@ -236,7 +274,8 @@ class ModelRunner:
             d for d in mesh.devices.flat if d.process_index == jax.process_index())
         self._sample = jax.jit(sample_fn)
         self._multi = jax.jit(functools.partial(multi_decode_fn, self.graphdef, self.state_def,
-                                                attention=attn_impl, mm=mm, page_size=spec.page_size),
+                                                attention=attn_impl, mm=mm, page_size=spec.page_size,
+                                                **body_opts),
                               static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
@@ -269,7 +308,9 @@ class ModelRunner:
     def _abstract(self, x, sharding=None):
         """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
         if self.mesh is None:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+            kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+            # weights offloaded to host memory (offload.py) keep their memory kind
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if kind not in (None, "device") else None)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
 
     def _abstract_args(self, b: Bucket):
@@ -284,6 +325,12 @@ class ModelRunner:
             self._kv_pen_abstract = (jax.tree.map(self._abstract, self.kv), jax.tree.map(self._abstract, self.pen))
         kv, pen = self._kv_pen_abstract
         return [self._abstract(x) for x in self.state_leaves], kv, pen, arrays, t
+
+    def _lora_arrays(self, abstract: bool = False) -> dict:
+        """The LoRA slot arrays the executables take ({} without LoRA)."""
+        if self.lora is None:
+            return {}
+        return jax.tree.map(self._abstract, self.lora.arrays) if abstract else self.lora.arrays
 
     def compile_all(self, buckets: list[Bucket], progress: Callable[[int, int, Bucket], None] | None = None) -> float:
         """AOT-compile one executable per bucket; returns the seconds it took."""
@@ -307,7 +354,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if b not in self.executables:
             args = self._abstract_args(b)
-            self.executables[b] = self._forward.lower(*args, bucket=b).compile(self.compiler_options)
+            self.executables[b] = self._forward.lower(*args, self._lora_arrays(abstract=True),
+                                                      bucket=b).compile(self.compiler_options)
         if b.sample_rows not in self.samplers:
             _, _, pen, _, t = self._abstract_args(b)
             one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
@@ -321,7 +369,7 @@ class ModelRunner:
             scalar = jax.ShapeDtypeStruct((), np.int32)
             rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
             self.multi_executables[b] = self._multi.lower(
-                state, kv, pen, arrays, t, scalar, rows, bucket=b,
+                state, kv, pen, arrays, t, scalar, rows, self._lora_arrays(abstract=True), bucket=b,
                 max_steps=self.num_scheduler_steps).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
 
@@ -361,7 +409,7 @@ class ModelRunner:
             raise ValueError(f"num_steps: must be in [1, {self.num_scheduler_steps}], got {num_steps}")
         out, self.kv, self.pen = self.multi_executables[b](
             self.state_leaves, self.kv, self.pen, as_device_args(batch), t, np.int32(num_steps),
-            _sample_rows(batch))
+            _sample_rows(batch), self._lora_arrays())
         return out
 
     def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True,
@@ -377,7 +425,7 @@ class ModelRunner:
             rep = shd.replicated(self.mesh)
             dev = jax.tree.map(lambda x: shd.put(x, rep), host)
         logits, self.kv, self.pen, *scores = self.executables[b](self.state_leaves, self.kv, self.pen,
-                                                                   dev["arrays"], dev["t"])
+                                                                   dev["arrays"], dev["t"], self._lora_arrays())
         self.last_logits = logits      # f32[S', V] on device, for tests and debugging (no copy)
         self.last_scores = scores[0] if scores else None   # a scoring bucket's i32[T, 2 + 2K]
         if not sample:

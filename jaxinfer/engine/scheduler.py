@@ -137,7 +137,7 @@ class _PrefillSlots:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_waiting: int | None = None, *,
-                 prefill_shapes: Seq[tuple[int, int]] | None = None) -> None:
+                 prefill_shapes: Seq[tuple[int, int]] | None = None, max_loras: int | None = None) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if not (isinstance(v, int) and v >= 1):
@@ -151,6 +151,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         # Bucket shapes for prefill chunks (see _PrefillSlots); default: no constraint.
         self.prefill_shapes = tuple(prefill_shapes) if prefill_shapes else None
+        # Multi-LoRA: at most this many distinct adapters (Sequence.lora_id != 0) run at
+        # once, the device's adapter slots (None: no limit).
+        self.max_loras = max_loras
         # Both queues are kept sorted by _key: (priority, arrival_time, order of add).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -391,8 +394,8 @@ class Scheduler:
             seq = self.waiting[i]
             if seats + self._seats_needed(seq) > self.max_num_seqs:
                 break                                 # FCFS: a beam search waits for its places
-            prefix = self._prefix_for(seq)
-            if prefix is None:                        # a sibling is computing our prompt pages
+            prefix = None if self._lora_full(seq) else self._prefix_for(seq)
+            if prefix is None:      # a sibling is computing our prompt pages, or no adapter slot
                 i += 1
                 continue
             cached = len(prefix) * self.bm.page_size
@@ -421,6 +424,15 @@ class Scheduler:
             chosen[seq.seq_id] = ScheduledSeq(seq, cached, num_new, target == seq.num_tokens)
             budget -= num_new
         return budget
+
+    def _lora_full(self, seq: Sequence) -> bool:
+        """``seq`` needs an adapter that no running sequence uses while ``max_loras`` distinct
+        adapters already run: it waits (later requests of running adapters or of the base
+        model are admitted past it, as vLLM does)."""
+        if not seq.lora_id or self.max_loras is None:
+            return False
+        running = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id not in running and len(running) >= self.max_loras
 
     def _prefix_for(self, seq: Sequence) -> list[int | HostPage] | None:
         """Computed pages ``seq`` can start from, or None if it should wait for a sibling."""

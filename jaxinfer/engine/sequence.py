@@ -62,6 +62,9 @@ class Sequence:
     # Sum of the sampled tokens' logprobs, where the sampler computed them (best_of ranks
     # samples by it).
     cumulative_logprob: float = 0.0
+    # The LoRA adapter this sequence runs with (engine/lora.py LoraAdapter.lora_id, unique
+    # per load), 0 = the base model. Part of its prefix-cache hash chain.
+    lora_id: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,12 +120,13 @@ def derive_seed(seed: int | None, index: int) -> int:
 
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                   priority: int = 0, arrival_time: float | None = None) -> list[Sequence]:
+                   priority: int = 0, arrival_time: float | None = None, lora_id: int = 0) -> list[Sequence]:
     """The sequences of one request (prompt list shared read-only): ``params.n`` samples,
     ``best_of`` when it asks for more, one for a beam search (it forks the others)."""
     t = time.monotonic() if arrival_time is None else arrival_time
     prompt = list(prompt_token_ids)
     count = 1 if params.beam_width > 1 else (params.best_of or params.n)
     return [Sequence(seq_id=next_seq_id(), request_id=request_id, prompt_token_ids=prompt,
-                     params=params, sample_index=i, priority=priority, arrival_time=t)
+                     params=params, sample_index=i, priority=priority, arrival_time=t,
+                     lora_id=lora_id)
             for i in range(count)]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.config import DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
@@ -27,7 +27,7 @@ from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
-from jaxinfer.engine.speculative import speculable
+from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
 
 log = logging.getLogger("jaxinfer")
 
@@ -78,12 +78,16 @@ class Engine:
         self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
+        from jaxinfer.engine import spec_draft
+        from jaxinfer.models.base import fit_context
         from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
-        from jaxinfer.models.base import fit_context
-
-        models = [quantize_model(fit_context(m, self.max_model_len), config.quantization)
-                  for m in R.place_replicas(loaded, meshes)]
+        fitted = [fit_context(m, self.max_model_len) for m in R.place_replicas(loaded, meshes)]
+        # speculative decoding's draft (engine/spec_draft.py), from the float weights
+        draft = spec_draft.draft_model(config, fitted[0], self.tokenizer, self.max_model_len) \
+            if config.speculative_method in DRAFT_METHODS else None
+        models = [quantize_model(m, config.quantization) for m in fitted]
+        del fitted
         if not config.quantization and not meshes:
             models = [prepare_float_for_cpu(m) for m in models]
         # keep the quantized model, not the float one (the caller's LoadedModel is untouched);
@@ -94,9 +98,10 @@ class Engine:
         # models[0].cfg: KV heads repeated where tensor parallelism needs it
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
                                        self.max_model_len)
-        from jaxinfer.engine.speculative import make_speculator
-        self.speculator = make_speculator(config)
         self.ladders = self._ladders()
+        self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
+            draft, self.kv_spec, self.ladders, config, attention))
+        del draft
         self.num_host_pages = R.host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
         if meshes and R.num_processes() > 1:
@@ -153,8 +158,7 @@ class Engine:
     def _ladders(self) -> BucketLadders:
         c = self.config
         auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
-        if self.speculator is not None:
-            from jaxinfer.engine.speculative import spec_decode_sizes
+        if c.speculative_method is not None:
             auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
         return BucketLadders(c.decode_buckets or auto.decode_sizes,
                              c.mixed_decode_buckets or auto.mixed_decode_sizes,
@@ -168,7 +172,9 @@ class Engine:
         before the engine can serve."""
         from jaxinfer.engine.warmup import BucketCompiler
 
-        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
+        draft = getattr(self.speculator, "proposer", None)
+        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders,
+                                       [(draft.runner, draft.buckets)] if hasattr(draft, "runner") else ())
         mode = self.config.warmup if R.num_processes() == 1 else "full"   # followers replay any bucket
         if progress:
             from tqdm import tqdm
@@ -350,7 +356,7 @@ class Engine:
         if self.speculator is None:
             return None
         return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], lambda seq: speculable(
-            seq, bool(self.output.requests[seq.request_id].constraints)))
+            seq, bool(self.output.requests[seq.request_id].constraints)), self.compiler.ensure)
 
     def _build(self, rep: Replica, sched: SchedulerOutput, lookahead: int = 0) -> Any:
         """The step's batch; while buckets still compile, in a compiled bucket that holds

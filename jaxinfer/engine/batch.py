@@ -186,7 +186,8 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
                ready: Callable[[Bucket], bool] | None = None) -> StepBatch:
     """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
     ``lookahead``: the page table also covers this many positions past each chunk (a
-    multi-step decode writes them on the device; their pages are already allocated).
+    multi-step decode writes them on the device; their pages are already allocated, except
+    past a draft model's own proposals: engine/spec_draft.py).
     ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
     decodes = [e for e in scheduled if e.num_new_tokens == 1 or e.draft]
     prefills = [e for e in scheduled if e.num_new_tokens > 1 and not e.draft]
@@ -223,8 +224,10 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         token_rows[sl] = row
         token_is_output[sl] = pos >= seq.num_prompt_tokens
         kv_lens[slot], q_lens[slot] = end, n
-        npg = -(-(end + lookahead) // page_size)
-        page_table[slot, :npg] = pages[:npg]
+        # (a draft model's multi-step decode may look further ahead than a row's pages:
+        # those positions map to page 0, the sink)
+        covered = pages[:-(-(end + lookahead) // page_size)]
+        page_table[slot, :len(covered)] = covered
         logits_index[slot] = first_token + n - 1
         rows[slot] = row
         reset_rows[slot] = start == 0     # the penalty row is cleared before any token is added

@@ -53,6 +53,17 @@ def prompts(n: int, path) -> tuple[dict[str, list[str]], str]:
     return out, f"{path} (coding, extraction) + own summarization prompts"
 
 
+def method_options(method: str, quant: str | None, k: int, draft_model: str | None) -> dict:
+    """EngineConfig fields of one speculative method for a target quantized as ``quant``:
+    "self" drafts with int8 weights for a float target, int4 for an int8 one."""
+    spec = dict(speculative_method=method, num_speculative_tokens=k)
+    if method == "self":
+        spec["speculative_quantization"] = "int4" if quant == "int8" else "int8"
+    if method == "draft":
+        spec["speculative_model"] = draft_model
+    return spec
+
+
 def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
     from jaxinfer.engine.engine import Engine
 
@@ -73,59 +84,78 @@ def spec_counts(eng) -> tuple[int, int]:
     return s.get("spec_decode_num_draft_tokens", 0), s.get("spec_decode_num_accepted_tokens", 0)
 
 
-def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k: int) -> dict:
+def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k: int,
+           methods: list[str], draft_model: str | None) -> dict:
+    """Per category: each method's mean decode tok/s, mean per-prompt speed-up over plain,
+    acceptance (accepted / proposed draft tokens) and whether every output equals plain's."""
     tok = loaded.tokenizer
-    engines = {"plain": build(loaded, quant, {}),
-               "ngram": build(loaded, quant, dict(speculative_method="ngram", num_speculative_tokens=k))}
+    engines = {"plain": build(loaded, quant, {})}
+    for m in methods:
+        engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model))
     warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
     for e in engines.values():
         decode_rate(e, warm, 8)
     res = {}
     for cat, texts in cats.items():
         rates = {m: [] for m in engines}
-        drafted = accepted = 0
-        identical = True
+        counts = {m: [0, 0] for m in methods}
+        identical = {m: True for m in methods}
         for text in texts:
             ids = tok.apply_chat_template([{"role": "user", "content": text}])
             toks = {}
-            for m, e in engines.items():
+            for m, e in engines.items():           # interleaved prompt by prompt: load hits all alike
                 d0, a0 = spec_counts(e)
                 r, toks[m] = decode_rate(e, ids, n_new)
                 rates[m].append(r)
                 d1, a1 = spec_counts(e)
-                drafted, accepted = drafted + d1 - d0, accepted + a1 - a0
-            identical &= toks["ngram"] == toks["plain"]
-        plain = sum(rates["plain"]) / len(texts)
-        res[cat] = {"prompts": len(texts), "plain_tok_s": plain,
-                    **{f"{m}_tok_s": sum(v) / len(texts) for m, v in rates.items() if m != "plain"},
-                    "ngram_speedup": sum(a / b for a, b in zip(rates["ngram"], rates["plain"])) / len(texts),
-                    "ngram_draft_tokens": drafted, "ngram_acceptance": accepted / drafted if drafted else None,
-                    "greedy_identical": identical}
+                if m != "plain":
+                    counts[m][0] += d1 - d0
+                    counts[m][1] += a1 - a0
+            for m in methods:
+                identical[m] &= toks[m] == toks["plain"]
+        row = {"prompts": len(texts), "plain_tok_s": sum(rates["plain"]) / len(texts)}
+        for m in methods:
+            d, a = counts[m]
+            row[m] = {"tok_s": sum(rates[m]) / len(texts),
+                      "speedup": sum(x / y for x, y in zip(rates[m], rates["plain"])) / len(texts),
+                      "draft_tokens": d, "acceptance": a / d if d else None, "greedy_identical": identical[m]}
+        res[cat] = row
     return res
 
 
-def throughput(loaded, quant: str | None, prompts_ids: list[list[int]], n_new: int, k: int) -> dict:
+def throughput(loaded, quant: str | None, prompts_ids: list[list[int]], n_new: int, k: int,
+               methods: list[str], draft_model: str | None) -> dict:
+    """The 32-prompt set at max_num_seqs=32, plain and each method, rounds in alternating
+    order (load drift hits all alike); speculation should turn itself off."""
     from jaxinfer.config import SamplingParams
 
-    out = {}
     ps = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-    engines = {"plain": build(loaded, quant, {}, 32),
-               "ngram": build(loaded, quant, dict(speculative_method="ngram", num_speculative_tokens=k), 32)}
-    for m, e in engines.items():
+    engines = {"plain": build(loaded, quant, {}, 32)}
+    for m in methods:
+        engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model), 32)
+    for e in engines.values():
         e.generate(prompts_ids[:2], SamplingParams(temperature=0, max_tokens=4))
-    for rnd in range(2):                          # A/B then B/A: load drift hits both
-        for m in (("plain", "ngram") if rnd == 0 else ("ngram", "plain")):
+    runs: dict[str, list[float]] = {m: [] for m in engines}
+    order = list(engines)
+    for rnd in range(2):
+        for m in (order if rnd == 0 else order[::-1]):
             t0 = time.perf_counter()
             engines[m].generate(prompts_ids, ps)
-            out.setdefault(m, []).append(len(prompts_ids) * n_new / (time.perf_counter() - t0))
-    return {"plain_tok_s": sum(out["plain"]) / 2, "ngram_tok_s": sum(out["ngram"]) / 2,
-            "ratio": sum(out["ngram"]) / sum(out["plain"]), "runs": out,
-            "draft_tokens": spec_counts(engines["ngram"])[0]}
+            runs[m].append(len(prompts_ids) * n_new / (time.perf_counter() - t0))
+    plain = sum(runs["plain"])
+    return {"plain_tok_s": plain / 2, "runs": runs,
+            **{m: {"tok_s": sum(runs[m]) / 2, "ratio": sum(runs[m]) / plain,
+                   "draft_tokens": spec_counts(engines[m])[0]} for m in methods}}
 
 
 def main() -> None:
     p = C.base_parser(__doc__)
     p.add_argument("--quantization", default="none,int8", help="comma-separated: none, int8")
+    p.add_argument("--methods", default="ngram,self",
+                   help="comma-separated speculative methods to compare with plain decoding: ngram, self, "
+                        "draft (needs --draft-model)")
+    p.add_argument("--draft-model", default=None, help="the draft model of --methods draft")
+    p.add_argument("--categories", default="coding,extraction,summarization", help="comma-separated")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
@@ -135,27 +165,34 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.prompts, args.new_tokens = 1, 64
+    methods = [m for m in args.methods.split(",") if m]
+    if "draft" in methods and not args.draft_model:
+        p.error("--methods draft needs --draft-model")
     from jaxinfer.loading import load_model
 
     loaded = load_model(None, "float32")
     from pathlib import Path
 
     cats, source = prompts(args.prompts, Path(args.mt_bench))
+    cats = {c: cats[c] for c in args.categories.split(",")}
     res = {"machine": C.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "batch1": {}, "load_before": C.load_avg()}
+           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "methods": methods, "batch1": {},
+           "load_before": C.load_avg()}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q
-        res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k)
-        C.print_table([(f"{cat}: plain / ngram tok/s, speedup, acceptance, identical",
-                        f"{C.fmt(v['plain_tok_s'])} / {C.fmt(v['ngram_tok_s'])}, {v['ngram_speedup']:.2f}x, "
-                        f"{C.fmt(100 * (v['ngram_acceptance'] or 0))}%, {v['greedy_identical']}")
-                       for cat, v in r.items()], f"batch 1, {q} ({source})")
+        res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k, methods, args.draft_model)
+        C.print_table([(f"{cat}: {m}", f"{C.fmt(v['plain_tok_s'])} -> {C.fmt(v[m]['tok_s'])} tok/s, "
+                        f"{v[m]['speedup']:.2f}x, acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
+                        f"identical {v[m]['greedy_identical']}")
+                       for cat, v in r.items() for m in methods], f"batch 1, {q} ({source}), load {C.load_avg()}")
     if args.throughput:
         w = C.load_workload(args.workload)
         n_new = 32 if args.quick else w["throughput"]["new_tokens"]
-        res["throughput"] = t = throughput(loaded, None, w["throughput"]["prompts"], n_new, args.k)
-        C.print_table([("plain / ngram tok/s", f"{C.fmt(t['plain_tok_s'])} / {C.fmt(t['ngram_tok_s'])}"),
-                       ("ratio", f"{t['ratio']:.3f}"), ("draft tokens", t["draft_tokens"])],
+        res["throughput"] = t = throughput(loaded, None, w["throughput"]["prompts"], n_new, args.k, methods,
+                                           args.draft_model)
+        C.print_table([("plain tok/s", C.fmt(t["plain_tok_s"]))] +
+                      [(m, f"{C.fmt(t[m]['tok_s'])} tok/s = {t[m]['ratio']:.3f}x, {t[m]['draft_tokens']} draft tokens")
+                       for m in methods],
                       f"batch 32, float32, {w['source']}{' (SYNTHETIC)' if w['synthetic'] else ''}")
     res["load_after"] = C.load_avg()
     C.write_json(args.out, res)

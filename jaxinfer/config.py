@@ -603,11 +603,19 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     # Speculative decoding (engine/speculative.py): None | "ngram" (prompt lookup: the
     # tokens that followed the latest earlier occurrence of the sequence's last n tokens,
-    # n from ngram_prompt_lookup_max down to ngram_prompt_lookup_min). Up to
+    # n from ngram_prompt_lookup_max down to ngram_prompt_lookup_min) | "self" (the target
+    # model's own weights quantized to speculative_quantization, optionally only its first
+    # speculative_draft_layers layers, as a draft model) | "draft" (the model at
+    # speculative_model: same vocabulary, smaller; engine/spec_draft.py). Up to
     # num_speculative_tokens are verified per sequence per step; speculation pauses while
     # more than speculative_disable_by_batch_size sequences run (verifying is no longer
     # nearly free then) and for a sequence whose drafts are mostly rejected.
     speculative_method: str | None = None
+    speculative_model: str | None = None
+    # "self" / "draft": the draft's weight quantization (None: as loaded) and, for "self",
+    # how many of the target's layers it keeps (None: all)
+    speculative_quantization: str | None = "int8"
+    speculative_draft_layers: int | None = None
     # 7: one sequence and its draft fill a decode bucket of 8 slots (padding slots cost
     # about as much as used ones; benchmarks/RESULTS.md compares 3, 4 and 7)
     num_speculative_tokens: int = 7
@@ -685,6 +693,10 @@ class EngineConfig:
                  "must be >= 2 (page 0 is the padding sink)")
 
 
+SPECULATIVE_METHODS = ("ngram", "self", "draft")
+DRAFT_METHODS = ("self", "draft")        # those that run a draft model
+
+
 def _check_offload(c: "EngineConfig") -> None:
     _require(c.offload_weights in ("none", "host"), "offload_weights",
              f"must be 'none' or 'host', got {c.offload_weights!r}")
@@ -740,8 +752,9 @@ def _check_lora(c: "EngineConfig") -> None:
 
 
 def _check_speculative(c: "EngineConfig") -> None:
-    _require(c.speculative_method in (None, "ngram"), "speculative_method",
-             f"must be None or 'ngram', got {c.speculative_method!r}")
+    m = c.speculative_method
+    _require(m in (None, *SPECULATIVE_METHODS), "speculative_method",
+             f"must be None or one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {m!r}")
     for name in ("num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
                  "speculative_disable_by_batch_size"):
         v = getattr(c, name)
@@ -750,7 +763,26 @@ def _check_speculative(c: "EngineConfig") -> None:
     _require(c.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be <= 16, got {c.num_speculative_tokens}")
     _require(c.ngram_prompt_lookup_min <= c.ngram_prompt_lookup_max, "ngram_prompt_lookup_min",
              f"must be <= ngram_prompt_lookup_max ({c.ngram_prompt_lookup_max}), got {c.ngram_prompt_lookup_min}")
-    if c.speculative_method is not None:
+    _require(c.speculative_quantization in (None, "int8", "int4"), "speculative_quantization",
+             f"must be None, 'int8' or 'int4', got {c.speculative_quantization!r}")
+    v = c.speculative_draft_layers
+    _require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "speculative_draft_layers",
+             f"must be a positive integer or None, got {v!r}")
+    _require(v is None or m == "self", "speculative_draft_layers",
+             f"only applies to speculative_method='self' (got {m!r})")
+    _require((c.speculative_model is not None) == (m == "draft"), "speculative_model",
+             "is required by speculative_method='draft' (a model with the target's vocabulary) and "
+             f"only used by it (speculative_method={m!r})")
+    if m == "self":
+        _require(v is not None or c.speculative_quantization not in (None, c.quantization), "speculative_method",
+                 f"'self' with speculative_quantization={c.speculative_quantization!r} and all layers would draft "
+                 f"with the target itself (quantization={c.quantization!r}): choose a cheaper draft "
+                 "(speculative_quantization int8 for a float target, int4 for an int8 one) or "
+                 "speculative_draft_layers")
+    if m in DRAFT_METHODS:
+        _require(c.tensor_parallel_size == 1, "speculative_method",
+                 f"{m!r} runs its draft model on one device: tensor_parallel_size must be 1")
+    if m is not None:
         _require(c.num_scheduler_steps == 1, "speculative_method",
                  "speculative decoding with num_scheduler_steps > 1 is not supported")
         _require(c.data_parallel_size == 1, "speculative_method",

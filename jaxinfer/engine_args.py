@@ -42,9 +42,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram"], default=None,
-                   help="propose tokens and verify them in one step: ngram = prompt lookup "
-                        "(greedy and seeded outputs unchanged)")
+    g.add_argument("--speculative-method", choices=["ngram", "self", "draft"], default=None,
+                   help="propose tokens and verify them in one step (greedy and seeded outputs "
+                        "unchanged): ngram = prompt lookup; self = the model's own quantized "
+                        "copy drafts; draft = the --speculative-model drafts")
+    g.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="draft model for --speculative-method draft (same vocabulary as the model)")
+    g.add_argument("--speculative-quantization", choices=["int8", "int4", "none"], default="int8",
+                   help="the draft model's weights (self, draft): int8 (default), int4 or as loaded")
+    g.add_argument("--speculative-draft-layers", type=int, default=None, metavar="L",
+                   help="self: draft with the model's first L layers only (default: all)")
     g.add_argument("--num-speculative-tokens", type=int, default=7, help="tokens proposed per step")
     g.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram matched")
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
@@ -178,8 +185,12 @@ def lora_options(args: argparse.Namespace) -> dict:
 
 def speculative_options(args: argparse.Namespace) -> dict:
     names = ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
-             "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")
-    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+             "ngram_prompt_lookup_min", "speculative_disable_by_batch_size", "speculative_model",
+             "speculative_quantization", "speculative_draft_layers")
+    out = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    if out.get("speculative_quantization") == "none":
+        out["speculative_quantization"] = None
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -214,7 +214,8 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     ``lora_slot_of``: Sequence.lora_id -> its adapter's device slot (engine/lora.py); every
     sequence of the step with a lora_id must be in it.
     ``lookahead``: the page table also covers this many positions past each chunk (a
-    multi-step decode writes them on the device; their pages are already allocated).
+    multi-step decode writes them on the device; their pages are already allocated, except
+    past a draft model's own proposals: engine/spec_draft.py).
     ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
     scoring = any(map(wants_scores, scheduled))
     # a 1-token chunk that wants scores takes a prefill slot: only prefill buckets score
@@ -259,8 +260,10 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         if seq.lora_id:
             lora_slots[sl] = lora_slot_of[seq.lora_id]
         kv_lens[slot], q_lens[slot] = end, n
-        npg = -(-(end + lookahead) // page_size)
-        page_table[slot, :npg] = pages[:npg]
+        # (a draft model's multi-step decode may look further ahead than a row's pages:
+        # those positions map to page 0, the sink)
+        covered = pages[:-(-(end + lookahead) // page_size)]
+        page_table[slot, :len(covered)] = covered
         logits_index[slot] = first_token + n - 1
         rows[slot] = row
         reset_rows[slot] = start == 0     # the penalty row is cleared before any token is added

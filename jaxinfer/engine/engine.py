@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.config import DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
@@ -28,7 +28,7 @@ from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
-from jaxinfer.engine.speculative import speculable
+from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
 
 log = logging.getLogger("jaxinfer")
 
@@ -68,6 +68,12 @@ class Engine:
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = R.replica_meshes(config)
         R.start_kernel_builds()
+        float_target = None
+        if config.speculative_method == "self":      # its draft is made from the float weights
+            if loaded is None:
+                from jaxinfer.loading import load_model
+                loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
+            float_target = loaded.model
         # the float model is not kept: only the quantized / kernel-laid-out one
         self.loaded, models = R.engine_models(config, model, loaded, meshes)
         del loaded
@@ -78,19 +84,29 @@ class Engine:
         self.model_name = model_name(model, self.loaded.source)
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
+        from jaxinfer.engine import spec_draft
         from jaxinfer.models.base import fit_context
 
         # the rotary set-up for max_model_len (weights untouched: after preparation)
         models = [fit_context(m, self.max_model_len) for m in models]
         self.loaded = dataclasses.replace(self.loaded, model=models[0])
+        # speculative decoding's draft (engine/spec_draft.py): 'self' from the float weights
+        draft = None
+        if config.speculative_method in DRAFT_METHODS:
+            target = models[0] if float_target is None else fit_context(float_target, self.max_model_len)
+            draft = spec_draft.draft_model(config, target, self.tokenizer, self.max_model_len)
+            del target
+        del float_target
+        release_host_memory()
         # models[0].cfg: KV heads repeated where tensor parallelism needs it
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
                                        self.max_model_len)
-        from jaxinfer.engine.speculative import make_speculator
-        self.speculator = make_speculator(config)
         self.ladders = self._ladders()
         from jaxinfer.engine.lora import make_registry
         self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
+        self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
+            draft, self.kv_spec, self.ladders, config, attention))
+        del draft
         self.num_host_pages = R.host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
         self.publisher = None
         if meshes and R.num_processes() > 1:
@@ -168,8 +184,7 @@ class Engine:
     def _ladders(self) -> BucketLadders:
         c = self.config
         auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
-        if self.speculator is not None:
-            from jaxinfer.engine.speculative import spec_decode_sizes
+        if c.speculative_method is not None:
             auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
         if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
             from jaxinfer.engine.pipeline import pipeline_ladders
@@ -186,7 +201,9 @@ class Engine:
         before the engine can serve."""
         from jaxinfer.engine.warmup import BucketCompiler, default_mode
 
-        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders)
+        draft = getattr(self.speculator, "proposer", None)
+        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders,
+                                       [(draft.runner, draft.buckets)] if hasattr(draft, "runner") else ())
         # followers replay any bucket
         mode = (self.config.warmup or default_mode()) if R.num_processes() == 1 else "full"
         if progress:
@@ -399,7 +416,7 @@ class Engine:
         if self.speculator is None:
             return None
         return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], lambda seq: speculable(
-            seq, bool(self.output.requests[seq.request_id].constraints)))
+            seq, bool(self.output.requests[seq.request_id].constraints)), self.compiler.ensure)
 
     def _build(self, rep: Replica, sched: SchedulerOutput, lookahead: int = 0) -> Any:
         """The step's batch; while buckets still compile, in a compiled bucket that holds

@@ -203,12 +203,16 @@ def _sample_rows(batch: StepBatch) -> np.ndarray:
 class ModelRunner:
     """Owns the device state of one engine replica (weights, KV pages, penalty state) and
     its executables. ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the
-    default device. ``publisher``: process 0's step broadcaster under jax.distributed."""
+    default device. ``publisher``: process 0's step broadcaster under jax.distributed.
+    A draft model's runner (engine/spec_draft.py) never samples through the sampler
+    executables (``samples=False``: none compiled) and needs multi-step executables only
+    for decode buckets of at most ``multi_decode_seqs`` slots (None: every one)."""
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
                  publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
-                 offload_layers: tuple[int, ...] = ()):
+                 offload_layers: tuple[int, ...] = (), samples: bool = True,
+                 multi_decode_seqs: int | None = None):
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
@@ -218,6 +222,7 @@ class ModelRunner:
         body_opts: dict[str, Any] = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
         if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
             body_opts["offload_layers"] = tuple(offload_layers)
+        self.samples, self.multi_decode_seqs = samples, multi_decode_seqs
         self.cfg = model.cfg
         self.spec = spec
         self.mesh = mesh
@@ -344,8 +349,13 @@ class ModelRunner:
     def is_compiled(self, b: Bucket) -> bool:
         """Every executable a step in ``b`` may call is there (read by the batch builder
         while a background thread compiles: each is stored once it is complete)."""
-        return b in self.executables and b.sample_rows in self.samplers and (
-            self.num_scheduler_steps == 1 or b.num_prefill > 0 or b in self.multi_executables)
+        return b in self.executables and (not self.samples or b.sample_rows in self.samplers) and (
+            not self._has_multi(b) or b in self.multi_executables)
+
+    def _has_multi(self, b: Bucket) -> bool:
+        """Bucket ``b`` gets a multi-step executable (decode-only buckets, multi-step runners)."""
+        return self.num_scheduler_steps > 1 and b.num_prefill == 0 and (
+            self.multi_decode_seqs is None or b.num_decode <= self.multi_decode_seqs)
 
     def compile_bucket(self, b: Bucket) -> None:
         """Compile what a step in bucket ``b`` needs and is not there yet: its forward, the
@@ -356,7 +366,7 @@ class ModelRunner:
             args = self._abstract_args(b)
             self.executables[b] = self._forward.lower(*args, self._lora_arrays(abstract=True),
                                                       bucket=b).compile(self.compiler_options)
-        if b.sample_rows not in self.samplers:
+        if self.samples and b.sample_rows not in self.samplers:
             _, _, pen, _, t = self._abstract_args(b)
             one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
             pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
@@ -364,7 +374,7 @@ class ModelRunner:
             rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
             mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
             self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile()
-        if self.num_scheduler_steps > 1 and b.num_prefill == 0 and b not in self.multi_executables:
+        if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)
             rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)

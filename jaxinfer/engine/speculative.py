@@ -92,7 +92,7 @@ class Speculator:
     """Proposals before a step, acceptance after it, and vLLM's spec-decode counters."""
 
     config: EngineConfig
-    proposer: NgramProposer
+    proposer: Any          # NgramProposer, or a draft model's (engine/spec_draft.py: propose(sched, wanted, ensure))
     num_drafts: int = 0                   # verified drafts (one per sequence per step)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -102,12 +102,14 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
 
-    def propose(self, sched: Scheduler, max_slots: int,
-                eligible: Callable[[Sequence], bool]) -> dict[int, list[int]]:
+    def propose(self, sched: Scheduler, max_slots: int, eligible: Callable[[Sequence], bool],
+                ensure: Callable[[Any, Any], None] | None = None) -> dict[int, list[int]]:
         """Drafts for this step's decoding sequences ({} = a plain step). Only when every
         running sequence decodes and nobody can be admitted (so the step is decode-only and
         fits the decode ladder), at most ``speculative_disable_by_batch_size`` of them, and
-        in at most ``max_slots`` decode slots (the largest decode bucket) in all."""
+        in at most ``max_slots`` decode slots (the largest decode bucket) in all.
+        ``ensure(runner, bucket)``: compiles a draft model's bucket that warm-up has not
+        reached yet (engine/warmup.py)."""
         c, running = self.config, sched.running
         if not running or len(running) > c.speculative_disable_by_batch_size:
             return {}
@@ -118,6 +120,7 @@ class Speculator:
         self._states = {s.seq_id: self._states.get(s.seq_id) or _SeqState() for s in running}
         spare = min(max_slots, sched.max_num_batched_tokens) - len(running)
         drafts: dict[int, list[int]] = {}
+        wanted: list[tuple[Sequence, int]] = []      # a draft model's: (sequence, tokens), all at once
         for seq in running:
             st = self._states[seq.seq_id]
             if st.paused:
@@ -130,10 +133,16 @@ class Speculator:
                     sched.max_model_len - seq.num_tokens)
             if k <= 0 or not eligible(seq):
                 continue
-            draft = self.proposer.propose(np.asarray(seq.all_token_ids, np.int32), k)
-            if draft:
-                drafts[seq.seq_id] = draft
-                spare -= len(draft)
+            if isinstance(self.proposer, NgramProposer):
+                draft = self.proposer.propose(np.asarray(seq.all_token_ids, np.int32), k)
+                if draft:
+                    drafts[seq.seq_id] = draft
+                    spare -= len(draft)
+            else:
+                wanted.append((seq, k))
+                spare -= k
+        if wanted:
+            drafts.update(self.proposer.propose(sched, wanted, ensure))
         return drafts
 
     def postprocess(self, apply: Callable[..., list[Any]], sched: SchedulerOutput,
@@ -185,10 +194,11 @@ class Speculator:
                 "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
 
 
-def make_speculator(config: EngineConfig) -> Speculator | None:
+def make_speculator(config: EngineConfig, draft: Any = None) -> Speculator | None:
+    """``draft``: the proposer of the draft-model methods (spec_draft.DraftProposer)."""
     if config.speculative_method is None:
         return None
-    return Speculator(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+    return Speculator(config, draft or NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
 
 
 def speculable(seq: Sequence, constrained: bool) -> bool:

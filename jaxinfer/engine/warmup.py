@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.batch import Bucket, BucketLadders
 
@@ -61,13 +61,17 @@ def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
 
 
 class BucketCompiler:
-    """Compiles ``buckets`` on each runner (one per data-parallel replica)."""
+    """Compiles the ladder's buckets on each runner (one per data-parallel replica), and
+    ``extra`` (runner, buckets) pairs after them (a draft model's runner,
+    engine/spec_draft.py: the subset of the ladder its steps use)."""
 
-    def __init__(self, runners: list[Any], ladders: BucketLadders):
-        self.runners = runners
-        self.first, self.rest = priority_order(ladders)
-        self.first_total = len(self.first) * len(runners)
-        self.total = (len(self.first) + len(self.rest)) * len(runners)
+    def __init__(self, runners: list[Any], ladders: BucketLadders,
+                 extra: Sequence[tuple[Any, Sequence[Bucket]]] = ()):
+        first, rest = priority_order(ladders)
+        # (runner, buckets a first request needs, the others)
+        self.jobs = [(r, first, rest) for r in runners] + [(r, [], list(bs)) for r, bs in extra]
+        self.first_total = sum(len(f) for _, f, _ in self.jobs)
+        self.total = sum(len(f) + len(r) for _, f, r in self.jobs)
         self.seconds = 0.0
         self.error: BaseException | None = None
         # called with (buckets compiled, total) after each compile (a progress bar)
@@ -79,8 +83,7 @@ class BucketCompiler:
 
     @property
     def num_compiled(self) -> int:
-        buckets = self.first + self.rest
-        return sum(r.is_compiled(b) for r in self.runners for b in buckets)
+        return sum(r.is_compiled(b) for r, first, rest in self.jobs for b in first + rest)
 
     @property
     def is_warm(self) -> bool:
@@ -101,15 +104,15 @@ class BucketCompiler:
 
     def compile_first(self) -> None:
         """The buckets a first request needs, now (in the caller's thread)."""
-        for r in self.runners:
-            for b in self.first:
+        for r, first, _ in self.jobs:
+            for b in first:
                 self._compile(r, b)
 
     def compile_rest(self) -> None:
         """Every other bucket, in the caller's thread; then the engine is warm."""
         try:
-            for r in self.runners:
-                for b in self.rest:
+            for r, _, rest in self.jobs:
+                for b in rest:
                     if self._stop:
                         return
                     self._compile(r, b)

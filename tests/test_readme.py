@@ -6,6 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -104,3 +105,20 @@ def test_environment_variables_read_are_the_documented_ones():
     assert read == documented, (read, documented)
     readme = (ROOT / "README.md").read_text()
     assert all(f"${v}" in readme for v in documented)
+
+
+def test_layout_map_lists_every_module_and_only_existing_ones():
+    """README's Layout block names each module of jaxinfer/, serving/ and pallas_kernels/
+    (not __init__.py) once, and every path it names exists."""
+    text = README.read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    listed = [line.split()[0] for line in block.strip().splitlines() if line.strip()]
+    for path in listed:
+        assert (ROOT / path).exists(), f"README Layout names {path}, which is not in the tree"
+    modules = sorted(str(p.relative_to(ROOT)) for top in ("jaxinfer", "serving", "pallas_kernels")
+                     for p in (ROOT / top).rglob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if m not in listed]
+    assert not missing, f"README Layout does not list: {missing}"
+    assert len(listed) == len(set(listed)), "README Layout lists a path twice"

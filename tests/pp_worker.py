@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tp_worker import PROMPTS, run_engine, tiny_loaded  # noqa: E402
+from tp_worker import PROMPTS, finish_distributed, run_engine, tiny_loaded  # noqa: E402
 
 # 7 pages of 16 tokens for six requests of up to 61 tokens (MAX_TOKENS new each): sequences
 # are preempted; a 32-token budget chunks the 37- and 30-token prompts; 4 prefill slots of
@@ -39,7 +39,7 @@ def mode_grid() -> dict:
                              **ENGINE_KW) for name, (dp, pp, tp) in GRID.items()}
 
 
-def mode_default() -> dict:
+def mode_default(tp3pp2: bool = False) -> dict:
     import numpy as np
 
     from jaxinfer.loading import load_model
@@ -52,7 +52,8 @@ def mode_default() -> dict:
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
               decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 32),), page_buckets=(16,))
     res = {}
-    for name, (pp, tp) in {"1": (1, 1), "pp2": (2, 1), "tp3pp2": (2, 3), "pp4": (4, 1)}.items():
+    runs = {"1": (1, 1), "pp2": (2, 1), "pp4": (4, 1)} | ({"tp3pp2": (2, 3)} if tp3pp2 else {})
+    for name, (pp, tp) in runs.items():
         try:
             r = run_engine(loaded, 1, tp, prompts, 16, pipeline_parallel_size=pp, **kw)
         except ValueError as e:
@@ -73,7 +74,6 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
-    from jax._src import distributed
 
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
@@ -87,8 +87,7 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
         eng.shutdown()
         res = {"process": process_id, "tokens": [o.outputs[0].token_ids for o in outs], "steps": eng.num_steps,
                "stage_devices": [[str(d) for d in row] for row in eng.runner.mesh.devices[0]]}
-    distributed.global_state.client.wait_at_barrier("pp_worker_done", 120_000)
-    return res
+    finish_distributed(res, process_id)
 
 
 def main() -> None:
@@ -98,6 +97,7 @@ def main() -> None:
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--compilation-cache", default=None)
+    ap.add_argument("--tp3pp2", action="store_true", help="default mode: also TP 3 x PP 2 (6 devices)")
     a = ap.parse_args()
     import jax
 
@@ -108,7 +108,7 @@ def main() -> None:
     if a.mode == "mp":
         res = mode_mp(a.coordinator, a.num_processes, a.process_id)
     else:
-        res = mode_grid() if a.mode == "grid" else mode_default()
+        res = mode_grid() if a.mode == "grid" else mode_default(a.tp3pp2)
     sys.stdout.write("\n" + json.dumps(res) + "\n")
     sys.stdout.flush()
     os._exit(0)   # skip interpreter teardown (jax.distributed shutdown races the other process)

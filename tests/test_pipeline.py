@@ -89,11 +89,12 @@ def test_two_processes_one_stage_each(grid):
 
 @pytest.mark.slow
 def test_default_model_pipelined():
-    """SmolLM2 (30 layers) with PP 2 and TP 3 x PP 2 (6 virtual devices) gives the single
-    device's tokens; PP 4 is refused naming the layer count."""
+    """SmolLM2 (30 layers) with PP 2 gives the single device's tokens and logits bit for
+    bit; PP 4 is refused naming the layer count. (TP x PP is checked on the tiny models'
+    grid: the default model's TP 3 x PP 2 on 6 virtual devices cost CI ~3 minutes more;
+    `pp_worker.py default --tp3pp2` still runs it.)"""
     res = run_worker("default")
     assert res["pp2"]["tokens_equal"] and res["pp2"]["max_rel_logit_err"] == 0.0, res["pp2"]
-    assert res["tp3pp2"]["tokens_equal"] and res["tp3pp2"]["max_rel_logit_err"] < 1e-5, res["tp3pp2"]
     assert "pipeline_parallel_size=4 must divide the model's 30 layers" in res["pp4"]["error"]
 
 

@@ -266,7 +266,6 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
     from jaxinfer.engine.engine import Engine
 
-    from jax._src import distributed
 
     loaded = tiny_loaded("llama_8q4kv")
     eng = Engine(loaded=loaded, progress=False, tensor_parallel_size=num_processes, **ENGINE_KW)
@@ -280,12 +279,19 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
         eng.shutdown()
         res = {"process": process_id, "tokens": [o.outputs[0].token_ids for o in outs],
                "steps": eng.num_steps, "devices": [str(d) for d in eng.runner.mesh.devices.flat]}
-    # The result goes out before the barrier: past it, process 0 leaves and takes the
-    # coordination service with it, and a follower still polling it is aborted (SIGABRT,
-    # seen in CI under load). So the follower exits at once and process 0 gives it time.
+    finish_distributed(res, process_id)
+
+
+def finish_distributed(res: dict, process_id: int) -> None:
+    """Print this process's result and leave. The result goes out before the closing
+    barrier: past it, process 0 exits and takes the coordination service with it, and a
+    follower still polling that service is aborted (SIGABRT, seen in CI under load). So a
+    follower exits at once and process 0 gives it five seconds."""
+    from jax._src import distributed
+
     sys.stdout.write("\n" + json.dumps(res) + "\n")
     sys.stdout.flush()
-    distributed.global_state.client.wait_at_barrier("tp_worker_done", 120_000)
+    distributed.global_state.client.wait_at_barrier("worker_done", 120_000)
     if process_id == 0:
         time.sleep(5)
     os._exit(0)

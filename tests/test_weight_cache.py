@@ -129,7 +129,7 @@ def test_off_when_no_directory(gguf_path, tmp_path, monkeypatch):
 
 
 def test_cache_directory_others_can_write_is_refused(gguf_path, tmp_path, caplog):
-    cache = tmp_path / "shared"
+    cache = tmp_path / "open_to_all"
     cache.mkdir(mode=0o777)
     os.chmod(cache, 0o777)
     with caplog.at_level(logging.WARNING, logger="jaxinfer"):

@@ -344,7 +344,7 @@ def gemma_gguf(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_k_quants_match_transformers_dequantizer(gemma_gguf):
     """gguf-py's numpy decoders (what we use) vs transformers' own torch decoders."""
-    torch = pytest.importorskip("torch")
+    import torch  # a declared dependency (test extras): missing it fails, never skips
     from transformers.integrations.gguf.dequant import GGML_BLOCK
     from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
@@ -390,7 +390,7 @@ def default_checkpoint(default_gguf_path):
 
 @pytest.mark.slow
 def test_default_model_equals_transformers_loader(default_gguf_path, default_checkpoint):
-    torch = pytest.importorskip("torch")
+    import torch  # a declared dependency (test extras): missing it fails, never skips
 
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

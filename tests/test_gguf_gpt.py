@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import torch  # a declared dependency (test extras): missing it fails, never skips
+import transformers  # a declared dependency (test extras): missing it fails, never skips
+import gguf  # a declared dependency (test extras): missing it fails, never skips
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 

@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import torch  # a declared dependency (test extras): missing it fails, never skips
+import transformers  # a declared dependency (test extras): missing it fails, never skips
+import peft  # a declared dependency (test extras): missing it fails, never skips
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf_oracle import TINY, Family, build_family  # noqa: E402

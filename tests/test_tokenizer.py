@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a declared dependency (test extras): missing it fails, never skips
 
 from jaxinfer.loading.gguf import open_gguf  # noqa: E402
 from jaxinfer.loading.tokenizer import Tokenizer  # noqa: E402

@@ -184,9 +184,8 @@ def _bundled_attention(backend, q, k, v, kv_lens, q_lens, pt, nd, chunk, D, inte
 # ---------------------------------------------------------------------------------------
 
 def bench_quantized_matmul(backend: str, peak: float | None, smoke: bool = False) -> None:
-    from pallas_kernels.quantized_matmul.pallas import (quantized_matmul_gpu,
-                                                 quantized_matmul_reference,
-                                                 quantized_matmul_tpu)
+    from pallas_kernels.quantized_matmul.pallas import quantized_matmul_gpu, quantized_matmul_tpu
+    from pallas_kernels.quantized_matmul.xla import quantized_matmul_reference
     ours = quantized_matmul_tpu if backend == "tpu" else quantized_matmul_gpu
     if smoke and backend == "gpu":
         ours = functools.partial(ours, interpret=True)

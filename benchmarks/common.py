@@ -31,7 +31,7 @@ from typing import Any, Sequence
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 DEFAULT_WORKLOAD = DATA / "workload_smollm2.json"
-TORCH_THREADS = 2
+TORCH_THREADS = int(os.environ.get("OMP_NUM_THREADS") or 2)   # the peer's threads (a test worker's share)
 
 if str(REPO) not in sys.path:          # `python benchmarks/X.py` from the repo root
     sys.path.insert(0, str(REPO))

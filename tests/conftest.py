@@ -25,6 +25,17 @@ def pytest_configure(config):
     import os
     import tempfile
 
+    # Under xdist each worker would run torch's (and OpenBLAS's) threads on every core, and
+    # their OpenMP threads spin while they wait: two workers on two cores then fight, and the
+    # HF oracles ran 8x slower in CI than alone (test_default_model's greedy test: 583 s vs
+    # 71 s). Each worker gets its share of the cores instead (the engine's own threads are
+    # XLA's pool, which this leaves alone).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, share)
+
     from jaxinfer.engine.resources import enable_compilation_cache
 
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")

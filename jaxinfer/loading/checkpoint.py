@@ -48,11 +48,11 @@ def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
     then are repeated and re-placed)."""
     import orbax.checkpoint as ocp
     from jaxinfer.models.registry import config_from_hf
-    from jaxinfer.loading import LoadedModel
+    from jaxinfer.loading.model import LoadedModel
     from jaxinfer.loading.safetensors import read_json
     from jaxinfer.loading.tokenizer import Tokenizer
     from jaxinfer import sharding
-    from jaxinfer.loading import build_model
+    from jaxinfer.loading.model import build_model
     from jaxinfer.models.registry import weight_specs
 
     path = os.path.abspath(path)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxinfer.loading import LoadedModel
+from jaxinfer.loading.model import LoadedModel
 from jaxinfer.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxinfer")
@@ -239,7 +239,7 @@ def load(root: str, key: str, layout: Callable[[], dict[str, Any]]) -> LoadedMod
 
 
 def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
-    from jaxinfer.loading import resolve_dtype
+    from jaxinfer.loading.model import resolve_dtype
     from jaxinfer.models.base import abstract_model
     from jaxinfer.models.registry import config_from_hf, model_class
 

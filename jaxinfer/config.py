@@ -598,7 +598,7 @@ class EngineConfig:
     # Multi-step decode (vLLM's num_scheduler_steps): when every running sequence is
     # decoding and nobody waits for admission, run up to this many decode steps in one
     # device call, feeding sampled tokens back on the device. Amortizes the host's share of
-    # a step (~3 ms at batch 1 on CPU); outputs stream in runs of this many tokens. Same
+    # a step (large at batch 1: RESULTS.md); outputs stream in runs of this many tokens. Same
     # tokens as 1 (tests/test_multi_step.py). Single device, one process.
     num_scheduler_steps: int = 1
     # Speculative decoding (engine/speculative.py): None | "ngram" (prompt lookup: the

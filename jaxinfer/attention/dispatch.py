@@ -6,8 +6,8 @@ K/V pages, kv_lens, q_lens, page_table, and the static bucket layout.
 * ``xla``: the pure-jnp ragged paged attention — any backend, any KV dtype, and the
   reference every kernel is tested against (bitwise batch-invariant on XLA:CPU).
 * ``cpp``: pallas_kernels/attention/cpu.py — a C++ kernel through jax.ffi for XLA:CPU,
-  float32 pages (bitwise batch-invariant by construction). 5x the jnp path's speed on a
-  32-sequence decode, 1.8x on a 512-token prefill chunk (benchmarks/attention_cpu.py).
+  float32 pages (bitwise batch-invariant by construction); several times the jnp path's
+  speed on decode, less on prefill (benchmarks/attention_cpu.py; RESULTS.md).
 * ``pallas``: pallas_kernels/attention/pallas.py — the Mosaic kernel on TPU, the
   Triton kernel on GPU. Not available on CPU (its tests run it there in interpret mode).
 * ``auto``: ``pallas`` on TPU / GPU; on CPU ``cpp`` for float32 pages when the kernel

@@ -6,10 +6,10 @@ layers of ``(k_pages, v_pages)`` tuples — a pytree the step takes and hands ba
 
 Why a list and not one stacked ``[L, num_pages, ...]`` array: the model unrolls its layers,
 and with a list every layer's pages are a buffer of their own, so the per-layer scatter
-(write_kv) updates in place and the attention gathers straight from it. Measured
-(benchmarks/attention_cpu.py "layout", 30-layer decode step of 32 sequences, per layer):
-list ~7-9 ms; stacked with a static layer index ~170 ms (XLA copies the stacked buffer);
-stacked under lax.scan over layers ~35-45 ms (the scanned slices are copied in and out).
+(write_kv) updates in place and the attention gathers straight from it. A stacked array
+with a static layer index makes XLA copy the stacked buffer, and lax.scan over layers
+copies the scanned slices in and out (benchmarks/attention_cpu.py "layout"; RESULTS.md,
+"Design measurements").
 
 Page 0 is the padding sink: padded tokens of a step carry a slot inside page 0, unused
 page-table entries point at page 0, and nothing ever reads it as real data (the attention

@@ -21,10 +21,10 @@ kernel; on XLA dots, see README). A row with slot 0 adds an exact zero: the base
 bits. A step in which no row has an adapter skips the delta (lax.cond).
 
 Why not a gather of each row's A/B ([T, K, R] / [T, R, N], Punica's BGMV in jnp) or
-``lax.ragged_dot`` over rows sorted by slot: on XLA:CPU both were 3-10x slower than these
-two dense products at S*R = 272 (gathered rows stream each row's own copy of B; ragged_dot
-lowers to masked dense products per group) and ragged_dot's rows were not batch-invariant
-(measured, 2026-11-25). The dense products cost S*R columns per target, so the slot count
+``lax.ragged_dot`` over rows sorted by slot: on XLA:CPU both were several times slower than
+these two dense products (gathered rows stream each row's own copy of B; ragged_dot lowers
+to masked dense products per group; RESULTS.md, "Design measurements") and ragged_dot's
+rows were not batch-invariant. The dense products cost S*R columns per target, so the slot count
 and rank are the knobs (README, benchmarks/lora.py).
 
 Tensor parallelism: A and B are sharded like their weight: column-parallel targets

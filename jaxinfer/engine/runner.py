@@ -113,7 +113,7 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V],
     kv, penalty state (and a scoring bucket's prompt scores, packed i32[T, 2 + 2K]:
     engine/scoring.py). The weights come as a flat list (``state_leaves`` of the treedef
-    ``state_def``): flattening the nnx State on every call cost ~0.4 ms of Python per step."""
+    ``state_def``): flattening the nnx State on every call is Python work on every step."""
     state = jax.tree.unflatten(state_def, state_leaves)
     body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape,
@@ -143,7 +143,7 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     zeros), kv, penalty state.
 
     Why: at batch 1 the host's share of a step (scheduling, batch building, the call with
-    its ~400 arguments, post-processing) is ~3 ms next to ~9 ms on the device (int8,
+    its ~400 arguments, post-processing) is a large fraction of the step (figures in
     benchmarks/RESULTS.md); here it is paid once per ``num_steps`` tokens.
 
     Step i is exactly step 0 of the single-step path for the sequence's next position:
@@ -428,8 +428,8 @@ class ModelRunner:
         ``sample=False``: they return the logits, only to wait on them)."""
         if self.mesh is None:
             # Host numpy goes straight into the executables: they copy their arguments in
-            # C++, where jax.device_put of the ~25 small arrays took 1.2 ms of Python per
-            # step (measured; a batch-1 int8 decode step is ~15 ms).
+            # C++, where jax.device_put of the ~25 small arrays is Python per array, a
+            # visible share of a batch-1 step (RESULTS.md, "Design measurements").
             dev = host
         else:
             rep = shd.replicated(self.mesh)

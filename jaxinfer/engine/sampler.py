@@ -226,7 +226,7 @@ def _first_max_index(x: jax.Array) -> jax.Array:
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``lax.top_k`` over the last axis of f32[B, N] (same values, ids and id tie-break),
-    3-4x faster on XLA:CPU for small k: the top k chunk maxima pick the k chunks of
+    faster on XLA:CPU for small k: the top k chunk maxima pick the k chunks of
     _TOPK_CHUNK tokens that hold every top-k token, and only those are ranked.
 
     (Exact with ties: chunks are ranked by max, then chunk id, and re-sorted by id, so
@@ -240,7 +240,7 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         x = jnp.pad(x, ((0, 0), (0, nc * _TOPK_CHUNK - n)), constant_values=-jnp.inf)
     xc = x.reshape(b, nc, _TOPK_CHUNK)
     # The barriers keep XLA from merging later slices of a result into the sort+slice that
-    # its CPU TopK rewrite matches: without them a full sort runs (50x slower).
+    # its CPU TopK rewrite matches: without them a full sort of the vocabulary runs.
     _, cid = lax.optimization_barrier(tuple(lax.top_k(jnp.max(xc, axis=-1), k)))
     cid = jnp.sort(cid, axis=-1)                                          # [B, k] ascending
     g = jnp.take_along_axis(xc, cid[:, :, None], axis=1).reshape(b, k * _TOPK_CHUNK)

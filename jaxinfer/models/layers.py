@@ -82,7 +82,7 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
     # (a run-time predicate; both branches return the same values: x + 0.0 is x for
     # every value here, cos and sin of non-negative angles are never -0.0). Without it
     # XLA:CPU fuses cos/sin into every layer's rope of q and of k and evaluates them once
-    # per head and element: ~50 ms of a 512-token prefill, for the same values.
+    # per head and element: a visible share of a long prefill, for the same values.
     # (lax.optimization_barrier does not stop that: XLA:CPU drops it before fusion.)
     cos_sin = jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)          # [T, 2 * head_dim]
     if scale != 1.0:

@@ -249,10 +249,10 @@ def _gather_block(pages_arr: jax.Array, pages: jax.Array) -> jax.Array:
     as a page gather).
 
     XLA:CPU has no bf16 gather: gathering a bf16 cache makes it convert the WHOLE cache
-    to f32 on every layer (hoisted out of the loop), ~4x slower than an f32 cache at
-    SmolLM2 decode shapes. Gathering the uint16 bits and widening with a shift is faster,
-    but the bf16 -> uint16 bitcast of the cache is still a whole-cache copy per layer on
-    XLA:CPU (~2x slower than f32, measured in benchmarks/attention_cpu.py). So on CPU
+    to f32 on every layer (hoisted out of the loop). Gathering the uint16 bits and widening
+    with a shift is faster, but the bf16 -> uint16 bitcast of the cache is still a
+    whole-cache copy per layer on XLA:CPU (both slower than f32 pages: benchmarks/
+    attention_cpu.py; RESULTS.md, "Design measurements"). So on CPU
     keep the KV cache in f32; bf16 pages pay off only where gathers are native (TPU/GPU).
     """
     N, ps, KVH, D = pages_arr.shape

@@ -18,14 +18,12 @@ Paths, all computing x [M, K] @ w [K, N] -> [M, N] in x's dtype with f32 accumul
 * ``quantized_matmul_reference`` — dequantize to f32, one f32 dot at HIGHEST precision.
 * ``quantized_matmul_xla`` — the CPU path: dequantize in one fused XLA loop, then one dot.
   XLA:CPU cannot fuse the int8->f32 conversion into its GEMV, so the f32 weight is written
-  to cache and read back: it converts ~5-6 G weights/s, about the rate at which it streams
-  f32 weights from DRAM. Measured (benchmarks/kernels.py --cpu-quant, SmolLM2 shapes):
-  per matrix 1.1-1.7x faster than f32 at one row, 2-2.8x at two rows (f32's two-row dot is
-  slow); a whole decode step's matmuls about tie with f32 at one row (int4 layers with an
-  f32 LM head: ~1.2x). Its clear gain is memory (4x / ~7x smaller weights). A jitted model
-  must be compiled with ``XLA_CPU_COMPILER_OPTIONS`` (memory-optimized scheduler), or XLA
-  hoists every layer's conversion to the start and keeps all the f32 copies live (9x
-  slower step).
+  to cache and read back, at about the rate at which it streams f32 weights from DRAM, so
+  per matrix it beats f32 modestly and a whole decode step's matmuls about tie with f32 at
+  one row (benchmarks/kernels.py --cpu-quant; RESULTS.md). Its clear gain is memory (4x /
+  ~7x smaller weights). A jitted model must be compiled with ``XLA_CPU_COMPILER_OPTIONS``
+  (memory-optimized scheduler), or XLA hoists every layer's conversion to the start and
+  keeps all the f32 copies live (a many times slower step).
 * ``pallas_kernels.quantized_matmul.cpu.int8_matmul`` — what the engine uses for int8 on CPU: a C++
   kernel through jax.ffi that reads only the int8 bytes (packed weights, ``panel=32``:
   int16 activations and exact int32 block sums); bitwise batch-invariant by construction.
@@ -54,9 +52,8 @@ __all__ = ["QuantizedWeight", "quantize", "quantize_int8", "quantize_int4", "deq
 
 # Compile options for a jitted step that uses ``quantized_matmul_xla`` on XLA:CPU. The
 # default scheduler runs every weight conversion first (they depend only on parameters),
-# so a 30-layer model keeps ~200 f32 weight copies alive: a SmolLM2 decode step's matmuls
-# took 270-290 ms instead of 31-34 ms with this scheduler, which converts each weight
-# right before its dot.
+# so a 30-layer model keeps ~200 f32 weight copies alive; this scheduler converts each
+# weight right before its dot (RESULTS.md, "Design measurements").
 XLA_CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 _INT8_MAX = 127
@@ -207,9 +204,10 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 
 # Column-block width of the XLA path for big weights. Converting a whole [576, 49152] LM
-# head to f32 makes a 113 MB temporary that is page-faulted in on every call (40 ms
-# measured); converting 4096 columns at a time in a loop takes 7.5 ms (1536: 8.1 ms,
-# 8192: 10.3 ms). Weights up to _XLA_WHOLE elements are converted in one piece.
+# head to f32 makes a 113 MB temporary that is page-faulted in on every call; a loop over
+# column blocks reuses one cached block (the width was the fastest of those tried:
+# RESULTS.md, "Design measurements"). Weights up to _XLA_WHOLE elements are converted in
+# one piece.
 _XLA_BLOCK_N = 4096
 _XLA_WHOLE = 1 << 22
 

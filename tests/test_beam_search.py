@@ -196,14 +196,14 @@ def test_default_model_matches_hf_alone_and_batched():
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
     from test_default_model import hf_default_model
+    from test_engine import DEFAULT_MODEL_ENGINE_KW
 
     loaded = load_model(None, "float32")
     tok = loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in ("What is the capital of France?", "Name three colors.")]
-    eng = Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                 num_pages=48, page_buckets=(16,), decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
-                 prefill_buckets=((1, 64),))
+    # test_engine's shapes for the default model: the run's compilation cache serves both
+    eng = Engine(loaded=loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
     hf = hf_default_model()
     stop = list(eng.eos_token_ids)
     cases = [(4, 1.0, True), (4, 0.8, False)]

@@ -5,6 +5,8 @@ continuous-batching engine."""
 
 from __future__ import annotations
 
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
-from jaxinfer.loading.default import default_model_path  # noqa: E402
 from jaxinfer.reference import ReferenceGenerator  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -57,19 +58,12 @@ def hf_model():
 
 def hf_default_model():
     """transformers' own GGUF reader (what ``from_pretrained(gguf_file=...)`` uses, minus its
-    `accelerate` requirement): its config, its dequantized, un-permuted tensors."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    `accelerate` requirement): its config, its dequantized, un-permuted tensors (the
+    benchmarks' HF peer, benchmarks/common.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from common import load_hf_model
 
-    path = default_model_path()
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=49152))
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
-    cfg = dict(parsed["config"])
-    cfg.pop("model_type", None)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
+    model, _ = load_hf_model()
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     return model
 

@@ -52,7 +52,11 @@ def engine_config(args) -> dict:
                 decode_buckets=tuple(decode), mixed_decode_buckets=(0,) if args.max_num_seqs == 1 else (0, args.max_num_seqs),
                 prefill_buckets=tuple((1, c) for c in chunks),
                 page_buckets=tuple(sorted({min(16, full), full})),
-                num_scheduler_steps=args.num_scheduler_steps)
+                num_scheduler_steps=args.num_scheduler_steps,
+                # every prompt here is timed again and again: with the prefix cache on (the
+                # engine's default) a repeat would be a cache hit, not a prefill
+                # (benchmarks/prefix_cache.py measures hits)
+                enable_prefix_caching=False)
 
 
 def engine_request(engine, ids, n_new: int) -> dict:

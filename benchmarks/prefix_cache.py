@@ -60,7 +60,9 @@ def engine_kw(args, **over) -> dict:
     kw = dict(dtype="float32", page_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
               max_model_len=mml, num_pages=args.device_pages, decode_buckets=(1, args.max_num_seqs),
               mixed_decode_buckets=(0, args.max_num_seqs),
-              prefill_buckets=tuple((n, 32) for n in (1, 2, 4, 8, 16)),
+              # 16-position slots for short chunks: a turn-2 remainder of 33-48 tokens runs at
+              # 48 positions instead of 64 (the default ladder has 32-position slots)
+              prefill_buckets=((1, 16), (3, 16)) + tuple((n, 32) for n in (1, 2, 4, 8, 16)),
               page_buckets=(mml // 16,), compilation_cache_dir=args.compilation_cache)
     kw.update(over)
     return kw

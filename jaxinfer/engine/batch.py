@@ -161,7 +161,9 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
                     max_num_batched_tokens: int) -> BucketLadders:
     """Powers of two for decode up to max_num_seqs; a coarser ladder when prefill rides
     along; single-slot chunks of 32/128/up-to-budget for one prompt, and 32-position slots
-    (4 of them, and as many as the budget holds) that pack several prompts into one step.
+    (2, 4, and as many as the budget holds) that pack several prompts, or the pieces of
+    one, into a step. Two slots (64 positions) serve the short remainders a prefix-cache
+    hit leaves (a chat's new turn: 33-64 new tokens would otherwise pad to 128).
 
     One page-table width: the attention loops over KV blocks up to the longest live
     sequence at run time, so a wider table costs only its int32 entries, not compute.
@@ -175,7 +177,7 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
     single = sorted({c for c in (32, 128, big) if c <= big})
     shapes = {(1, c) for c in single}
     if max_num_seqs > 1:
-        shapes |= {(n, 32) for n in (4, big // 32) if n > 1}
+        shapes |= {(n, 32) for n in (2, 4, big // 32) if n > 1}
     full = -(-max_model_len // page_size)
     return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)), (full,))
 

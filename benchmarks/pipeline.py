@@ -41,7 +41,7 @@ def main() -> None:
     loaded = load_model(None, "float32")
     # one decode size and one prefill shape, both cut into 2, 3 or 4 equal micro-batches
     kw = dict(loaded=loaded, progress=False, max_num_seqs=24, max_model_len=512, enable_prefix_caching=False,
-              kv_cache_memory=256 << 20, decode_buckets=(24,), mixed_decode_buckets=(0,),
+              kv_cache_memory=256 << 20, decode_buckets=(24,), mixed_decode_buckets=(0, 24),
               prefill_buckets=((12, 32),), max_num_batched_tokens=384)
     res = {"machine": C.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "virtual_devices": n, "workload": w["source"], "prompts": len(prompts), "new_tokens": n_new,

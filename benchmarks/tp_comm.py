@@ -53,7 +53,7 @@ def hlo_figures(tp: int, decode_sizes: tuple[int, ...]) -> dict:
     t0 = time.perf_counter()
     eng = Engine(progress=False, warmup="full", tensor_parallel_size=tp, max_num_seqs=max(decode_sizes),
                  max_num_batched_tokens=64, max_model_len=256, num_pages=64,
-                 decode_buckets=decode_sizes, mixed_decode_buckets=(0,), prefill_buckets=((1, 64),),
+                 decode_buckets=decode_sizes, mixed_decode_buckets=(0, max(decode_sizes)), prefill_buckets=((1, 64),),
                  page_buckets=(16,))
     cfg = eng.model_config
     out = {"tp": tp, "num_layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,

@@ -293,3 +293,13 @@ def test_async_engine_streams_and_matches_generate(tiny_engine):
     for (final, seen), w in zip(stream_through_async_engine(tiny_engine, prompts, p), want):
         assert final.finished and final.outputs[0].token_ids == w.outputs[0].token_ids
         assert all(seen[i + 1][:len(seen[i])] == seen[i] for i in range(len(seen) - 1))
+
+
+def test_ladder_without_room_for_a_mixed_step_is_refused(default_loaded):
+    """A prompt's chunks run beside up to max_num_seqs - 1 decodes: a mixed-decode ladder
+    that cannot hold them is refused when the engine is built (it used to fail mid-run with
+    "decode slots: 2 exceeds the largest bucket (0)")."""
+    loaded = tiny_loaded(default_loaded.tokenizer)
+    for mixed in ((0,), (0, 2)):
+        with pytest.raises(ValueError, match=r"mixed_decode_buckets: the largest .*max_num_seqs - 1 = 3"):
+            Engine(loaded=loaded, progress=False, max_num_seqs=4, num_pages=16, mixed_decode_buckets=mixed)

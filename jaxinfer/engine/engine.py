@@ -189,10 +189,18 @@ class Engine:
         if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
             from jaxinfer.engine.pipeline import pipeline_ladders
             auto = pipeline_ladders(auto, c.pipeline_parallel_size)
-        return BucketLadders(c.decode_buckets or auto.decode_sizes,
-                             c.mixed_decode_buckets or auto.mixed_decode_sizes,
-                             c.prefill_buckets or auto.prefill_shapes,
-                             c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs)
+        lad = BucketLadders(c.decode_buckets or auto.decode_sizes,
+                            c.mixed_decode_buckets or auto.mixed_decode_sizes,
+                            c.prefill_buckets or auto.prefill_shapes,
+                            c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs)
+        # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
+        # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
+        if (c.speculative_method is None and c.max_num_seqs > 1
+                and lad.mixed_decode_sizes[-1] < c.max_num_seqs - 1):
+            raise ValueError(f"mixed_decode_buckets: the largest ({lad.mixed_decode_sizes[-1]}) must hold "
+                             f"the decodes that can run beside a prefill chunk (max_num_seqs - 1 = "
+                             f"{c.max_num_seqs - 1})")
+        return lad
 
     def _warmup(self, progress: bool) -> float:
         """Compile the buckets a first request needs, then the rest: here, or in a

@@ -292,15 +292,14 @@ def default_model_hf_dir() -> str:
     out = Path(tempfile.gettempdir()) / "jaxinfer-startup-smollm2-hf"
     if (out / "config.json").exists():
         return str(out)
-    import torch
     import transformers
 
     from jaxinfer.loading.default import default_model_path
 
     gguf = Path(default_model_path())
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-hf-"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              torch_dtype=torch.float32)
+    # a plain float32 model (transformers refuses to save one loaded with gguf_file=)
+    model, _ = C.load_hf_model()
     model.save_pretrained(str(tmp))
     transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
     os.replace(tmp, out)

@@ -62,7 +62,7 @@ def engine_kw(args, **over) -> dict:
               mixed_decode_buckets=(0, args.max_num_seqs),
               # 16-position slots for short chunks: a turn-2 remainder of 33-48 tokens runs at
               # 48 positions instead of 64 (the default ladder has 32-position slots)
-              prefill_buckets=((1, 16), (3, 16)) + tuple((n, 32) for n in (1, 2, 4, 8, 16)),
+              prefill_buckets=tuple(sorted(((1, 16), (3, 16)) + tuple((n, 32) for n in (1, 2, 4, 8, 16)))),
               page_buckets=(mml // 16,), compilation_cache_dir=args.compilation_cache)
     kw.update(over)
     return kw

@@ -171,7 +171,7 @@ def test_other_families_match_peft_merged(tmp_path, family):
     build_base(make_cfg(), d)
     merged = make_adapter(d, f"{d}/ad", 5, targets=targets)
     eng = Engine(d, lora_modules={"ad": f"{d}/ad"}, max_loras=1, max_lora_rank=8,
-                 **{**ENGINE_KW, "decode_buckets": (1,), "mixed_decode_buckets": (0,)})
+                 **{**ENGINE_KW, "max_num_seqs": 1, "decode_buckets": (1,), "mixed_decode_buckets": (0,)})
     ids = prompts(1, TINY["vocab_size"], lens=(21,))[0]
     toks, logits = engine_logits(eng, ids, 5, "ad")
     assert toks == hf_greedy(merged, ids, 5)

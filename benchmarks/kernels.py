@@ -13,7 +13,8 @@ On a TPU or GPU it times, on the same inputs:
     ragged_paged_attention`` (TPU), ``ragged_paged_attention_gpu`` vs ``...ops.gpu.
     paged_attention`` (GPU, decode only: the bundled GPU kernel has no prefill), for decode
     batches and a mixed decode + prefill step;
-  * quantized matmul: ``quantized_matmul_tpu/gpu`` int8 and int4 vs a plain bf16 dot;
+  * quantized matmul: ``quantized_matmul_tpu/gpu`` int8 and int4, and XLA's path
+    (``quantized_matmul_xla``, what the engine uses on GPU), vs a plain bf16 dot;
 and reports achieved memory bandwidth (bytes that must cross HBM / time) as a fraction of
 the chip's peak (table below, by ``device_kind``).
 
@@ -197,9 +198,13 @@ def bench_quantized_matmul(backend: str, peak: float | None, smoke: bool = False
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
         wb = w.astype(jnp.bfloat16)
         q8, q4 = quantize(w, 8), quantize(w, 4, 128)
-        fns = {"bf16 dot": jax.jit(lambda x, w: x @ w), "int8": ours, "int4 g128": ours}
-        args = {"bf16 dot": (x, wb), "int8": (x, q8), "int4 g128": (x, q4)}
-        sizes = {"bf16 dot": wb.size * 2, "int8": q8.nbytes, "int4 g128": q4.nbytes}
+        xla = jax.jit(quantized_matmul_xla)     # what the engine's router picks on GPU
+        fns = {"bf16 dot": jax.jit(lambda x, w: x @ w), "int8": ours, "int4 g128": ours,
+               "int8 xla": xla, "int4 xla": xla}
+        args = {"bf16 dot": (x, wb), "int8": (x, q8), "int4 g128": (x, q4), "int8 xla": (x, q8),
+                "int4 xla": (x, q4)}
+        sizes = {"bf16 dot": wb.size * 2, "int8": q8.nbytes, "int4 g128": q4.nbytes,
+                 "int8 xla": q8.nbytes, "int4 xla": q4.nbytes}
         if smoke:
             for name, qw in (("int8", q8), ("int4 g128", q4)):
                 diff = np.max(np.abs(np.asarray(ours(x, qw), np.float32) -
@@ -460,6 +465,8 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=64,
                    help="int4 group size for --cpu-quant (SmolLM2's K = 576 needs 64 or 32)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
+    p.add_argument("--accel", default="attention,quant",
+                   help="on TPU / GPU: comma-separated sections (attention, quant)")
     p.add_argument("--smoke", choices=("tpu", "gpu"), default=None,
                    help="on CPU: run the accelerator section's code interpreted on tiny "
                         "inputs (checks the bundled-kernel adapters; no timings)")
@@ -481,8 +488,10 @@ def main(argv=None) -> int:
         peak = peak_bandwidth(dev.device_kind)
         print(f"peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else
               "peak HBM bandwidth: unknown for this device kind (fractions omitted)")
-        bench_attention(backend, peak)
-        bench_quantized_matmul(backend, peak)
+        if "attention" in args.accel:
+            bench_attention(backend, peak)
+        if "quant" in args.accel:
+            bench_quantized_matmul(backend, peak)
         return 0
     print("benchmarks/kernels.py: the Pallas kernels need a TPU or GPU to be timed "
           f"(backend is {backend}); run it on an accelerator.")

@@ -9,6 +9,11 @@ token), so the prefill is left out. The engines (plain, ngram) are built from on
 model per dtype and run interleaved prompt by prompt, so machine load hits both alike;
 the report gives ratios, acceptance rates, and whether the tokens were identical.
 
+``--llama-cpp``: llama.cpp (llama-cpp-python) on the same GGUF and prompt ids as the peer,
+batch 1 greedy, plain vs its prompt-lookup decoding (``LlamaPromptLookupDecoding``, the
+binding's speculative drafter; ``--llama-cpp-lookup`` tokens per draft), interleaved prompt
+by prompt like ours, with decode tok/s measured the same way and whether the tokens match.
+
 ``--throughput``: also the workload's 32-prompt throughput set at max_num_seqs=32 with and
 without speculation (it turns itself off above ``speculative_disable_by_batch_size``).
 
@@ -123,6 +128,34 @@ def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k:
     return res
 
 
+def llama_cpp_batch1(tok, cats: dict[str, list[str]], n_new: int, num_pred: int) -> dict:
+    """llama.cpp plain vs its prompt-lookup speculation, per category, like ``batch1``."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    plain = C.load_llama_cpp()
+    lookup = C.load_llama_cpp()
+    lookup.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=num_pred)
+    warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    for llm in (plain, lookup):
+        C.llama_cpp_latency(llm, warm, 8)
+    res = {}
+    for cat, texts in cats.items():
+        rates: dict[str, list[float]] = {"plain": [], "lookup": []}
+        identical = True
+        for text in texts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}])
+            a = C.llama_cpp_latency(plain, ids, n_new)
+            b = C.llama_cpp_latency(lookup, ids, n_new)
+            rates["plain"].append(a["decode_tok_s"])
+            rates["lookup"].append(b["decode_tok_s"])
+            identical &= a["token_ids"] == b["token_ids"]
+        res[cat] = {"prompts": len(texts), "plain_tok_s": sum(rates["plain"]) / len(texts),
+                    "lookup": {"tok_s": sum(rates["lookup"]) / len(texts),
+                               "speedup": sum(x / y for x, y in zip(rates["lookup"], rates["plain"])) / len(texts),
+                               "greedy_identical": identical}}
+    return res
+
+
 def throughput(loaded, quant: str | None, prompts_ids: list[list[int]], n_new: int, k: int,
                methods: list[str], draft_model: str | None) -> dict:
     """The 32-prompt set at max_num_seqs=32, plain and each method, rounds in alternating
@@ -162,6 +195,8 @@ def main() -> None:
     p.add_argument("--mt-bench", default=str(C.DATA / "mt_bench_questions.jsonl"),
                    help="MT-Bench questions JSONL (default: %(default)s; own prompts if missing)")
     p.add_argument("--throughput", action="store_true", help="also batch 32 on the throughput workload")
+    p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp plain vs its prompt-lookup decoding")
+    p.add_argument("--llama-cpp-lookup", type=int, default=10, help="llama.cpp lookup tokens per draft")
     args = p.parse_args()
     if args.quick:
         args.prompts, args.new_tokens = 1, 64
@@ -185,6 +220,13 @@ def main() -> None:
                         f"{v[m]['speedup']:.2f}x, acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
                         f"identical {v[m]['greedy_identical']}")
                        for cat, v in r.items() for m in methods], f"batch 1, {q} ({source}), load {C.load_avg()}")
+    if args.llama_cpp and not C.llama_cpp_available():
+        print("llama_cpp not importable (pip install llama-cpp-python): llama.cpp peer skipped")
+    elif args.llama_cpp:
+        res["llama_cpp"] = r = llama_cpp_batch1(loaded.tokenizer, cats, args.new_tokens, args.llama_cpp_lookup)
+        C.print_table([(f"{cat}: lookup", f"{C.fmt(v['plain_tok_s'])} -> {C.fmt(v['lookup']['tok_s'])} tok/s, "
+                        f"{v['lookup']['speedup']:.2f}x, identical {v['lookup']['greedy_identical']}")
+                       for cat, v in r.items()], f"llama.cpp batch 1, Q4_1 GGUF ({source})")
     if args.throughput:
         w = C.load_workload(args.workload)
         n_new = 32 if args.quick else w["throughput"]["new_tokens"]

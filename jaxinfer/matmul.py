@@ -110,7 +110,7 @@ def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def select(batch_invariant: bool, backend: str | None = None,
                   quantized: bool = True) -> Callable:
     """The model's ``mm`` hook: plain or batch-invariant dots (``matmul`` / ``tiled_matmul``,
-    which also route quantized weights on CPU: ``quantized_matmul``). On TPU / GPU
+    which also route quantized weights on CPU and GPU: ``quantized_matmul``). On TPU
     quantized weights go to the Pallas kernel. The choice is logged."""
     base = tiled_matmul if batch_invariant else matmul
     backend = backend or jax.default_backend()
@@ -124,7 +124,13 @@ def select(batch_invariant: bool, backend: str | None = None,
                 log.info("matmul: float weights -> XLA dot (C++ f32 kernel unavailable: %s)",
                          cpu_f32_matmul.unavailable_reason())
         return base
-    if backend not in ("tpu", "gpu"):
+    if backend == "gpu":
+        # XLA fuses the int8/int4 -> float conversion into its own GEMM; our Pallas Triton
+        # kernel was slower than even a bf16 dot and made the 30-layer forward take minutes
+        # to compile (RESULTS "On a GPU"), so the GPU takes XLA's path.
+        log.info("matmul: quantized weights -> XLA (dequantize fused into the dot) on backend gpu")
+        return base
+    if backend != "tpu":
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
 
         if cpu_matmul.available():
@@ -137,8 +143,8 @@ def select(batch_invariant: bool, backend: str | None = None,
     from pallas_kernels.quantized_matmul import pallas as Q
     from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
-    kernel = Q.quantized_matmul_tpu if backend == "tpu" else Q.quantized_matmul_gpu
-    log.info("matmul: quantized weights -> Pallas kernel on backend %s", backend)
+    kernel = Q.quantized_matmul_tpu
+    log.info("matmul: quantized weights -> Pallas kernel on backend tpu")
 
     def mm(x, w):
         return kernel(x, w) if isinstance(w, QuantizedWeight) else base(x, w)
@@ -150,7 +156,7 @@ def name(quantization: str | None, dtype: Any, backend: str | None = None) -> st
     """Which implementation serves a model's weight matmuls (Engine.kernels, /metrics):
     the same choice as ``float_matmul`` / ``quantized_matmul`` and ``select``."""
     backend = backend or jax.default_backend()
-    if backend in ("tpu", "gpu"):
+    if backend == "tpu":
         return "pallas" if quantization else "xla"
     if backend == "cpu" and quantization == "int8":
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul

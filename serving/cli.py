@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from jaxinfer.engine.watermark import DEFAULT_GAMMA
 from jaxinfer.engine_args import (add_engine_args, add_model_args, add_sampling_args, engine_config,
                                   init_distributed, sampling_params)
 
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("text", nargs="?", default=None, help="the text (default: stdin)")
     w.add_argument("--file", default=None, help="read the text from this file")
     add_model_args(w)
-    w.add_argument("--gamma", type=float, default=0.5, help="the green-list fraction it was generated with")
+    w.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
+                   help="the green-list fraction it was generated with (default: %(default)s, the engine's)")
     w.add_argument("--count-repeated-bigrams", action="store_true",
                    help="score every token, not each (previous, token) pair once")
     w.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -51,3 +51,25 @@ def pytest_configure(config):
     from jaxinfer.engine.warmup import use_default_mode
 
     use_default_mode("full")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Under xdist, each worker's busy time and the files it ran longest: CI's wall time is
+    the busier worker's, so this shows how far the split is from even (tuning CI's time)."""
+    busy: dict[str, float] = {}
+    per_file: dict[tuple[str, str], float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            gw = getattr(getattr(getattr(r, "node", None), "gateway", None), "id", None)
+            if gw is None or not hasattr(r, "duration"):
+                continue
+            busy[gw] = busy.get(gw, 0.0) + r.duration
+            key = (gw, r.nodeid.split("::")[0])
+            per_file[key] = per_file.get(key, 0.0) + r.duration
+    if not busy:
+        return
+    terminalreporter.write_sep("=", "xdist workers' busy time")
+    for gw in sorted(busy):
+        top = sorted(((t, f) for (g, f), t in per_file.items() if g == gw), reverse=True)
+        files = ", ".join(f"{f.split('/')[-1]} {t:.0f}" for t, f in top[:40])
+        terminalreporter.write_line(f"{gw}: {busy[gw]:.0f} s in tests ({files})")

@@ -53,9 +53,9 @@ def test_z_score_hand_computed_case():
     while len(ids) < 17:
         want_green = len(ids) <= 12
         t = int(rng.integers(1000))
-        if bool(W.is_green([ids[-1]], [t])[0]) == want_green and (ids[-1], t) not in zip(ids, ids[1:]):
+        if bool(W.is_green([ids[-1]], [t], 0.5)[0]) == want_green and (ids[-1], t) not in zip(ids, ids[1:]):
             ids.append(t)
-    d = W.detect(ids)
+    d = W.detect(ids, 0.5)
     assert (d.num_green, d.num_scored) == (12, 16)
     assert d.z_score == pytest.approx(2.0) and d.p_value == pytest.approx(0.0227501319, rel=1e-8)
 
@@ -89,7 +89,7 @@ def test_device_green_mask_equals_host():
     prev = np.array([0, 7, 49151, 123456], np.int32)
     thr = np.full(4, W.Watermark(gamma=0.5).threshold, np.uint32)
     dev = np.asarray(jax.jit(W.green_mask, static_argnums=1)(prev, V, thr))
-    host = np.stack([W.is_green(np.full(V, p), np.arange(V)) for p in prev])
+    host = np.stack([W.is_green(np.full(V, p), np.arange(V), 0.5) for p in prev])
     assert (dev == host).all()
 
 
@@ -99,12 +99,12 @@ def test_sampler_adds_delta_on_green_list_only():
     logits = rng.normal(size=(4, V)).astype(np.float32)
     prev = [11, 11, 40, 3]
     ps = [SP(temperature=0, watermark={"delta": 50.0}), SP(temperature=0),
-          SP(temperature=0, watermark={"delta": 50.0, "gamma": 0.25}), SP(temperature=0, logprobs=2)]
+          SP(temperature=0, watermark={"delta": 50.0, "gamma": 0.6}), SP(temperature=0, logprobs=2)]
     t = S.sampling_tensors_from_params(ps, [0] * 4, [0] * 4, 4, prev_tokens=prev)
     out = jax.jit(S.sample, static_argnames="num_logprobs")(logits, t, num_logprobs=2)
     tok = np.asarray(out.token_ids)
     # a huge delta: the greedy token is the best green one; unwatermarked rows are untouched
-    for i, gamma in ((0, 0.5), (2, 0.25)):
+    for i, gamma in ((0, W.DEFAULT_GAMMA), (2, 0.6)):
         green = W.is_green(np.full(V, prev[i]), np.arange(V), gamma)
         assert tok[i] == np.flatnonzero(green)[np.argmax(logits[i][green])]
     assert tok[1] == np.argmax(logits[1]) and tok[3] == np.argmax(logits[3])

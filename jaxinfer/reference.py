@@ -132,12 +132,14 @@ class ReferenceGenerator:
                 for _ in range(self.cfg.num_layers)]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 seeds: Sequence[int], eos_token_ids: Sequence[int] = (), pad_to: int = 0
-                 ) -> list[RowResult]:
+                 seeds: Sequence[int], eos_token_ids: Sequence[int] = (), pad_to: int = 0,
+                 cache_len: int = 0) -> list[RowResult]:
         """One row per prompt (expand n>1 before calling). Returns ids and logprobs per row;
         stop strings are the caller's (they need text). ``pad_to``: pad prompts and cache to
         at least this many tokens, so calls with different prompt lengths share one compiled
-        shape (the results do not depend on the padding)."""
+        shape (the results do not depend on the padding). ``cache_len``: the KV cache holds at
+        least this many positions (calls with different ``pad_to`` then share the decode
+        step's compiled shape)."""
         B, V = len(prompts), self.cfg.vocab_size
         if B == 0:
             return []
@@ -146,7 +148,7 @@ class ReferenceGenerator:
             raise ValueError("prompt: empty token list")
         seq = _pad_len(max(int(lens.max()), pad_to), 16)
         # >= 128, a multiple of the attention's KV block: whole blocks per row.
-        max_len = _pad_len(max(seq, pad_to, int((lens + [p.max_tokens for p in params]).max())), 128)
+        max_len = _pad_len(max(seq, pad_to, cache_len, int((lens + [p.max_tokens for p in params]).max())), 128)
         tokens = np.zeros((B, seq), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p

@@ -53,6 +53,28 @@ def pytest_configure(config):
     use_default_mode("full")
 
 
+# Seconds each file took in CI (both phases, 2026-11-26 clean-clone runs; the "xdist
+# workers' busy time" lines at the end of a run give fresh figures). Files are handed to the
+# two workers longest first (pyproject turns xdist's own by-test-count order off): a heavy
+# file started last would leave one worker running alone for minutes.
+FILE_SECONDS = {
+    "test_engine.py": 220, "test_pipeline.py": 220, "test_parallel.py": 200, "test_lora.py": 200,
+    "test_speculative.py": 200, "test_gemma3_real.py": 170, "test_default_model.py": 140,
+    "test_hf_oracle.py": 120, "test_prompt_logprobs.py": 110, "test_beam_search.py": 90,
+    "test_prefix_cache.py": 90, "test_wheel.py": 80, "test_guided.py": 80, "test_gemma3.py": 70,
+    "test_scoring_serving.py": 60, "test_quantization.py": 60, "test_warmup.py": 50,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files longest first (FILE_SECONDS; unknown files after them, in collection order),
+    tests within a file in their own order."""
+    def weight(item) -> float:
+        return FILE_SECONDS.get(item.nodeid.split("::")[0].split("/")[-1], 0.0)
+
+    items[:] = sorted(items, key=lambda it: -weight(it))      # stable: ties keep their order
+
+
 def pytest_terminal_summary(terminalreporter):
     """Under xdist, each worker's busy time and the files it ran longest: CI's wall time is
     the busier worker's, so this shows how far the split is from even (tuning CI's time)."""

@@ -150,14 +150,14 @@ def test_default_model_token_exact_under_batching(default_loaded):
 
     ref = ReferenceGenerator(default_loaded.model)
     # Each request alone, padded to one of three lengths (the reference's results do not
-    # depend on the padding): three compiles instead of one per length, and a short prompt
-    # is not computed at 512 positions.
+    # depend on the padding): three prefill compiles instead of one per length, and a short
+    # prompt is not computed at 512 positions; one KV cache size, so one decode compile.
     pads = (128, 256, 512)
     assert max(len(p) + m for p, m in zip(prompts, max_toks)) <= pads[-1]
     for k, prompt in enumerate(prompts):
         p = SamplingParams(temperature=0, max_tokens=max_toks[k], ignore_eos=True)
         pad = next(c for c in pads if c >= len(prompt) + max_toks[k])
-        want = ref.generate([prompt], [p], [0], pad_to=pad)[0].token_ids
+        want = ref.generate([prompt], [p], [0], pad_to=pad, cache_len=pads[-1])[0].token_ids
         got = outs[f"r{k}"].outputs[0].token_ids
         assert got == want, f"request {k} (prompt {len(prompt)} tokens) differs from the reference"
 

@@ -392,15 +392,15 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load_llama_cpp(threads: int = TORCH_THREADS, path: str | None = None) -> Any:
+def load_llama_cpp(threads: int = TORCH_THREADS, path: str | None = None, **kw: Any) -> Any:
     """llama.cpp (llama-cpp-python) on a GGUF (default: the default model's own, Q4_1), CPU
-    threads as torch gets."""
+    threads as torch gets; ``kw`` goes to ``Llama`` (e.g. ``draft_model``)."""
     from llama_cpp import Llama
 
     from jaxinfer.loading.default import default_model_path
 
     return Llama(model_path=path or default_model_path(), n_ctx=1024, n_batch=512, n_threads=threads,
-                 n_threads_batch=threads, verbose=False)
+                 n_threads_batch=threads, verbose=False, **kw)
 
 
 def llama_cpp_latency(llm: Any, ids: Sequence[int], new_tokens: int) -> dict[str, Any]:

@@ -58,11 +58,15 @@ def prompts(n: int, path) -> tuple[dict[str, list[str]], str]:
     return out, f"{path} (coding, extraction) + own summarization prompts"
 
 
-def method_options(method: str, quant: str | None, k: int, draft_model: str | None) -> dict:
+def method_options(method: str, quant: str | None, k: int, draft_model: str | None,
+                   draft_layers: int | None = None) -> dict:
     """EngineConfig fields of one speculative method for a target quantized as ``quant``:
-    "self" drafts with int8 weights for a float target, int4 for an int8 one."""
+    "self" drafts with int8 weights for a float target, int4 for an int8 one, or (with
+    ``draft_layers``) with the target's first layers in int8."""
     spec = dict(speculative_method=method, num_speculative_tokens=k)
-    if method == "self":
+    if method == "self" and draft_layers:
+        spec.update(speculative_quantization="int8", speculative_draft_layers=draft_layers)
+    elif method == "self":
         spec["speculative_quantization"] = "int4" if quant == "int8" else "int8"
     if method == "draft":
         spec["speculative_model"] = draft_model
@@ -90,13 +94,13 @@ def spec_counts(eng) -> tuple[int, int]:
 
 
 def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k: int,
-           methods: list[str], draft_model: str | None) -> dict:
+           methods: list[str], draft_model: str | None, draft_layers: int | None = None) -> dict:
     """Per category: each method's mean decode tok/s, mean per-prompt speed-up over plain,
     acceptance (accepted / proposed draft tokens) and whether every output equals plain's."""
     tok = loaded.tokenizer
     engines = {"plain": build(loaded, quant, {})}
     for m in methods:
-        engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model))
+        engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model, draft_layers))
     warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
     for e in engines.values():
         decode_rate(e, warm, 8)
@@ -133,8 +137,8 @@ def llama_cpp_batch1(tok, cats: dict[str, list[str]], n_new: int, num_pred: int)
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     plain = C.load_llama_cpp()
-    lookup = C.load_llama_cpp()
-    lookup.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=num_pred)
+    # verifying a draft reads the logits of every drafted position: logits_all
+    lookup = C.load_llama_cpp(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred), logits_all=True)
     warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
     for llm in (plain, lookup):
         C.llama_cpp_latency(llm, warm, 8)
@@ -188,6 +192,8 @@ def main() -> None:
                    help="comma-separated speculative methods to compare with plain decoding: ngram, self, "
                         "draft (needs --draft-model)")
     p.add_argument("--draft-model", default=None, help="the draft model of --methods draft")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="--methods self: draft with the target's first N layers in int8")
     p.add_argument("--categories", default="coding,extraction,summarization", help="comma-separated")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -215,7 +221,8 @@ def main() -> None:
            "load_before": C.load_avg()}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q
-        res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k, methods, args.draft_model)
+        res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k, methods, args.draft_model,
+                                                  args.draft_layers)
         C.print_table([(f"{cat}: {m}", f"{C.fmt(v['plain_tok_s'])} -> {C.fmt(v[m]['tok_s'])} tok/s, "
                         f"{v[m]['speedup']:.2f}x, acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
                         f"identical {v[m]['greedy_identical']}")

@@ -78,10 +78,9 @@ def paged_contiguous_attention(positions: jax.Array, kv_lens: jax.Array, max_len
     return attn
 
 
-def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
-                        t: S.SamplingTensors, prompt_mask, counts, *, graphdef, num_logprobs: int,
-                        paged: bool, invariant: bool):
-    """tokens, positions i32[B, seq] -> sampled i32[B] (+ logprobs), cache, counts."""
+def _forward(state, tokens, positions, kv_lens, cache, logits_index, *, graphdef,
+             paged: bool, invariant: bool):
+    """tokens, positions i32[B, seq] -> logits f32[B, V] (at ``logits_index``), cache."""
     model = nnx.merge(graphdef, state)
     B, seq = tokens.shape
     cfg = model.cfg
@@ -91,16 +90,33 @@ def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
     else:
         attn = contiguous_attention(positions, B, seq, cfg)
     mm = M.tiled_matmul if invariant else M.matmul
-    logits, cache = model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index, mm)
+    return model(tokens.reshape(-1), positions.reshape(-1), cache, attn, logits_index, mm)
+
+
+def _sample(logits, t: S.SamplingTensors, prompt_mask, counts, *, num_logprobs: int):
+    """logits f32[B, V] -> sampled i32[B] (+ logprobs), counts with the samples added."""
     out = S.sample(logits, t, num_logprobs, prompt_mask=prompt_mask, output_counts=counts)
-    counts = counts.at[jnp.arange(B), out.token_ids].add(1)
+    counts = counts.at[jnp.arange(logits.shape[0]), out.token_ids].add(1)
+    return out, counts
+
+
+# Two jitted functions for every generator, as the engine's runner has (a forward and a
+# sampler executable): generators of the same model structure share the forward's
+# executables (the graphdef is a hashable static argument), and every generator with the
+# same batch and vocabulary shares the sampler's, prefill and decode alike: the sampler is
+# most of a small model's compile time.
+_FORWARD = jax.jit(_forward, static_argnames=("graphdef", "paged", "invariant"), donate_argnames=("cache",))
+_SAMPLE = jax.jit(_sample, static_argnames=("num_logprobs",), donate_argnames=("counts",))
+
+
+def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
+                        t: S.SamplingTensors, prompt_mask, counts, *, graphdef, num_logprobs: int,
+                        paged: bool, invariant: bool):
+    """One step: the forward, then the sampler. -> (SampleOutput, cache, counts)."""
+    logits, cache = _FORWARD(state, tokens, positions, kv_lens, cache, logits_index, graphdef=graphdef,
+                             paged=paged, invariant=invariant)
+    out, counts = _SAMPLE(logits, t, prompt_mask, counts, num_logprobs=num_logprobs)
     return out, cache, counts
-
-
-# One jitted function for every generator: generators of the same model structure share
-# their compiled executables (the graphdef is a hashable static argument).
-_STEP = jax.jit(_forward_and_sample, static_argnames=("graphdef", "num_logprobs", "paged", "invariant"),
-                donate_argnames=("cache", "counts"))
 
 
 def _pad_len(n: int, minimum: int) -> int:
@@ -120,7 +136,7 @@ class ReferenceGenerator:
         self.paged = attention == "paged"
         self.invariant = batch_invariant
         self.graphdef, self.state = nnx.split(model)
-        self._step = functools.partial(_STEP, graphdef=self.graphdef, paged=self.paged,
+        self._step = functools.partial(_forward_and_sample, graphdef=self.graphdef, paged=self.paged,
                                        invariant=batch_invariant)
 
     def _cache(self, batch: int, max_len: int) -> list[tuple[jax.Array, jax.Array]]:

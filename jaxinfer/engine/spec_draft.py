@@ -45,6 +45,7 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
+import jax
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
@@ -94,6 +95,11 @@ def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any,
         loaded = load_model(config.speculative_model, config.dtype)
         check_draft(loaded.config, loaded.tokenizer, target.cfg, target_tokenizer, max_model_len)
         model = fit_context(loaded.model, max_model_len)
+    if q == "int4" and jax.default_backend() == "cpu":
+        # int4 has no C++ kernel: XLA's convert-then-dot runs ~10x slower than the int8
+        # kernel here, so every draft token costs more than a target step (RESULTS.md)
+        log.warning("speculative_quantization='int4' on CPU: the int4 draft is slower than an int8 "
+                    "target step (expect a slowdown); use int8 with speculative_draft_layers instead")
     model = quantize_model(model, q)
     return model if q else prepare_float_for_cpu(model)
 

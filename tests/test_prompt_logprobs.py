@@ -133,7 +133,9 @@ def test_default_model_matches_hf_chunked_and_batched():
              "Question: Which is heavier, a kilogram of feathers or a kilogram of steel? Answer:"]
     prompts = [tok.encode(t) for t in texts]
     hf = hf_default_model()
-    kw = dict(ENGINE_KW, max_model_len=256, num_pages=48)
+    # lazy warm-up: only the step shapes this test runs are compiled (no compile-count
+    # assertion here; the tiny-model test above makes it)
+    kw = dict(ENGINE_KW, max_model_len=256, num_pages=48, warmup="lazy")
     eng = Engine(loaded=loaded, progress=False, **kw)
     sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=K)
     batched = eng.generate(prompts, sp)

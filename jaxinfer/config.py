@@ -777,8 +777,8 @@ def _check_speculative(c: "EngineConfig") -> None:
         _require(v is not None or c.speculative_quantization not in (None, c.quantization), "speculative_method",
                  f"'self' with speculative_quantization={c.speculative_quantization!r} and all layers would draft "
                  f"with the target itself (quantization={c.quantization!r}): choose a cheaper draft "
-                 "(speculative_quantization int8 for a float target, int4 for an int8 one) or "
-                 "speculative_draft_layers")
+                 "(speculative_quantization int8 for a float target; int4 for an int8 one, slow on CPU) "
+                 "or speculative_draft_layers, or speculative_method='ngram'")
     if m in DRAFT_METHODS:
         _require(c.tensor_parallel_size == 1, "speculative_method",
                  f"{m!r} runs its draft model on one device: tensor_parallel_size must be 1")

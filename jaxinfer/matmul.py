@@ -38,7 +38,7 @@ def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     the reference generator and the quality tool all come here, so they agree):
     int8 on CPU with the C++ kernel built -> pallas_kernels/quantized_matmul/cpu.py (packed or plain
     layout; batch-invariant by construction); otherwise XLA (``invariant``: the converted
-    weight through ``tiled_matmul``). TPU / GPU kernels are chosen by ``select``."""
+    weight through ``tiled_matmul``); GPU comes here too. The TPU kernel is chosen by ``select``."""
     if w.bits == 8 and jax.default_backend() == "cpu":
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         if cpu_matmul.available():

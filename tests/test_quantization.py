@@ -85,6 +85,12 @@ def test_dispatch_picks_kernels_by_backend():
     assert dispatch.select("xla", "gpu")[0] == "xla"
     with pytest.raises(ValueError, match="'pallas' needs a TPU or GPU backend, this one is 'cpu'"):
         dispatch.select("pallas", "cpu")
+    # weight matmuls: quantized weights on GPU take XLA's path (the plain / invariant dots,
+    # which route a QuantizedWeight to quantized_matmul), on TPU the Pallas kernel
+    from jaxinfer import matmul as M
+    assert M.select(True, "gpu") is M.tiled_matmul and M.select(False, "gpu") is M.matmul
+    assert M.name("int8", jnp.float32, "gpu") == "xla" and M.name("int8", jnp.float32, "tpu") == "pallas"
+    assert M.select(True, "tpu") not in (M.tiled_matmul, M.matmul)
     with pytest.raises(ValueError, match="unknown implementation 'flash'"):
         dispatch.select("flash")
 

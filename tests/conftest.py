@@ -76,11 +76,47 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(items, key=lambda it: -weight(it))      # stable: ties keep their order
 
 
+# Seconds this process spent in XLA compiles (persistent-cache hits included: their load
+# time) and in tracing + lowering, per test: attached to each report so the controller can
+# sum them per file under xdist (the busy-time lines below say how much of CI is compiling).
+_JAX_SECONDS = {"compile": 0.0, "trace": 0.0}
+_JAX_EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
+               "/jax/core/compile/jaxpr_trace_duration": "trace",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace"}
+
+
+def _on_jax_event(name: str, secs: float, **_) -> None:
+    kind = _JAX_EVENTS.get(name)
+    if kind:
+        _JAX_SECONDS[kind] += secs
+
+
+def pytest_sessionstart(session):
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+
+
+_JAX_SECONDS_REPORTED = dict(_JAX_SECONDS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the jax seconds spent since the previous report."""
+    outcome = yield
+    rep = outcome.get_result()
+    rep.user_properties.extend((f"jax_{k}_s", v - _JAX_SECONDS_REPORTED[k]) for k, v in _JAX_SECONDS.items())
+    _JAX_SECONDS_REPORTED.update(_JAX_SECONDS)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Under xdist, each worker's busy time and the files it ran longest: CI's wall time is
     the busier worker's, so this shows how far the split is from even (tuning CI's time)."""
     busy: dict[str, float] = {}
     per_file: dict[tuple[str, str], float] = {}
+    compile_s: dict[str, float] = {}
+    trace_s: dict[str, float] = {}
+    per_file_compile: dict[tuple[str, str], float] = {}
     for reports in terminalreporter.stats.values():
         for r in reports:
             gw = getattr(getattr(getattr(r, "node", None), "gateway", None), "id", None)
@@ -89,6 +125,12 @@ def pytest_terminal_summary(terminalreporter):
             busy[gw] = busy.get(gw, 0.0) + r.duration
             key = (gw, r.nodeid.split("::")[0])
             per_file[key] = per_file.get(key, 0.0) + r.duration
+            for name, secs in getattr(r, "user_properties", ()):
+                if name == "jax_compile_s":
+                    compile_s[gw] = compile_s.get(gw, 0.0) + secs
+                    per_file_compile[key] = per_file_compile.get(key, 0.0) + secs
+                elif name == "jax_trace_s":
+                    trace_s[gw] = trace_s.get(gw, 0.0) + secs
     if not busy:
         return
     terminalreporter.write_sep("=", "xdist workers' busy time")
@@ -96,3 +138,7 @@ def pytest_terminal_summary(terminalreporter):
         top = sorted(((t, f) for (g, f), t in per_file.items() if g == gw), reverse=True)
         files = ", ".join(f"{f.split('/')[-1]} {t:.0f}" for t, f in top[:40])
         terminalreporter.write_line(f"{gw}: {busy[gw]:.0f} s in tests ({files})")
+        top = sorted(((t, f) for (g, f), t in per_file_compile.items() if g == gw), reverse=True)
+        files = ", ".join(f"{f.split('/')[-1]} {t:.0f}" for t, f in top[:15])
+        terminalreporter.write_line(f"{gw}: of which XLA compiles / cache loads {compile_s.get(gw, 0):.0f} s, "
+                                    f"tracing + lowering {trace_s.get(gw, 0):.0f} s ({files})")

@@ -17,7 +17,42 @@ import jax.numpy as jnp
 
 def row_sum(x: jax.Array) -> jax.Array:
     """x [..., N] -> [...]: the sum over the last axis as a fixed pairwise tree (an odd
-    length is padded with one 0, which changes no sum)."""
+    length is padded with one 0, which changes no sum).
+
+    On the CPU backend a float32 sum is one call of the C++ kernel that does the same fold
+    (pallas_kernels/f32_matmul/cpu.row_sum: the same bits, tests/test_reductions.py): traced
+    in jnp, the fold is ~40 HLO instructions per sum, and a decoder layer's sums were half
+    of its HLO, which doubled every step executable's compile time and resident size
+    (RESULTS "Design measurements"). Elsewhere (GPU, TPU, no C++ compiler) the jnp fold."""
+    if _kernel_applies(x):
+        from pallas_kernels.f32_matmul import cpu as cpu_f32
+
+        return cpu_f32.row_sum(x)
+    return row_sum_tree(x)
+
+
+def row_sum_squares(x: jax.Array) -> jax.Array:
+    """``row_sum(x * x)`` in the same fixed order (RMSNorm's variance); with the CPU kernel
+    the squares are not materialized (each still rounded on its own: no FMA). Without it,
+    XLA may fuse a square into an FMA with the add after it, so the two paths can differ in
+    the last bit; each is batch-invariant."""
+    if _kernel_applies(x):
+        from pallas_kernels.f32_matmul import cpu as cpu_f32
+
+        return cpu_f32.row_sum(x, squares=True)
+    return row_sum_tree(x * x)
+
+
+def _kernel_applies(x: jax.Array) -> bool:
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 2 or jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels.f32_matmul import cpu as cpu_f32
+
+    return cpu_f32.available()
+
+
+def row_sum_tree(x: jax.Array) -> jax.Array:
+    """``row_sum`` in jnp ops (any backend, any dtype)."""
     while x.shape[-1] > 1:
         if x.shape[-1] % 2:
             x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)

@@ -79,16 +79,19 @@ def pytest_collection_modifyitems(config, items):
 # Seconds this process spent in XLA compiles (persistent-cache hits included: their load
 # time) and in tracing + lowering, per test: attached to each report so the controller can
 # sum them per file under xdist (the busy-time lines below say how much of CI is compiling).
-_JAX_SECONDS = {"compile": 0.0, "trace": 0.0}
+_JAX_SECONDS = {"compile": 0.0, "trace": 0.0, "load": 0.0}
 _JAX_EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
                "/jax/core/compile/jaxpr_trace_duration": "trace",
-               "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace"}
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace",
+               "/jax/compilation_cache/cache_retrieval_time_sec": "load"}
 
 
-def _on_jax_event(name: str, secs: float, **_) -> None:
+def _on_jax_event(name: str, secs: float, fun_name: str = "?", **_) -> None:
     kind = _JAX_EVENTS.get(name)
     if kind:
         _JAX_SECONDS[kind] += secs
+        if kind == "compile":      # per jitted function: what the compile seconds are spent on
+            _JAX_SECONDS[f"compile:{fun_name}"] = _JAX_SECONDS.get(f"compile:{fun_name}", 0.0) + secs
 
 
 def pytest_sessionstart(session):
@@ -105,7 +108,8 @@ def pytest_runtest_makereport(item, call):
     """Each phase's report carries the jax seconds spent since the previous report."""
     outcome = yield
     rep = outcome.get_result()
-    rep.user_properties.extend((f"jax_{k}_s", v - _JAX_SECONDS_REPORTED[k]) for k, v in _JAX_SECONDS.items())
+    rep.user_properties.extend((f"jax_{k}_s", v - _JAX_SECONDS_REPORTED.get(k, 0.0))
+                               for k, v in list(_JAX_SECONDS.items()))
     _JAX_SECONDS_REPORTED.update(_JAX_SECONDS)
 
 
@@ -117,6 +121,9 @@ def pytest_terminal_summary(terminalreporter):
     compile_s: dict[str, float] = {}
     trace_s: dict[str, float] = {}
     per_file_compile: dict[tuple[str, str], float] = {}
+    per_fn: dict[str, float] = {}
+    load_s: dict[str, float] = {}
+    per_test: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for r in reports:
             gw = getattr(getattr(getattr(r, "node", None), "gateway", None), "id", None)
@@ -128,9 +135,15 @@ def pytest_terminal_summary(terminalreporter):
             for name, secs in getattr(r, "user_properties", ()):
                 if name == "jax_compile_s":
                     compile_s[gw] = compile_s.get(gw, 0.0) + secs
+                    per_test[r.nodeid] = per_test.get(r.nodeid, 0.0) + secs
                     per_file_compile[key] = per_file_compile.get(key, 0.0) + secs
+                elif name == "jax_load_s":
+                    load_s[gw] = load_s.get(gw, 0.0) + secs
                 elif name == "jax_trace_s":
                     trace_s[gw] = trace_s.get(gw, 0.0) + secs
+                elif name.startswith("jax_compile:"):
+                    fn = name[len("jax_compile:"):-2]
+                    per_fn[fn] = per_fn.get(fn, 0.0) + secs
     if not busy:
         return
     terminalreporter.write_sep("=", "xdist workers' busy time")
@@ -140,5 +153,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{gw}: {busy[gw]:.0f} s in tests ({files})")
         top = sorted(((t, f) for (g, f), t in per_file_compile.items() if g == gw), reverse=True)
         files = ", ".join(f"{f.split('/')[-1]} {t:.0f}" for t, f in top[:15])
-        terminalreporter.write_line(f"{gw}: of which XLA compiles / cache loads {compile_s.get(gw, 0):.0f} s, "
+        terminalreporter.write_line(f"{gw}: of which XLA compiles / cache loads {compile_s.get(gw, 0):.0f} s "
+                                    f"({load_s.get(gw, 0):.0f} s of it persistent-cache loads), "
                                     f"tracing + lowering {trace_s.get(gw, 0):.0f} s ({files})")
+    fns = ", ".join(f"{f} {t:.0f}" for f, t in sorted(per_fn.items(), key=lambda kv: -kv[1])[:12])
+    terminalreporter.write_line(f"compile / cache-load seconds by jitted function, both workers: {fns}")
+    for t, n in sorted(((t, n) for n, t in per_test.items()), reverse=True)[:15]:
+        terminalreporter.write_line(f"  {t:6.1f} s compiling  {n}")

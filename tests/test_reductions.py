@@ -67,3 +67,57 @@ def test_gemma_and_layer_norm_bits_do_not_depend_on_the_rows_beside(norm, d):
         np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{norm}: {t} rows")
     ref = reference(np.asarray(x, np.float64), np.asarray(w, np.float64))
     assert np.abs(full - ref).max() / np.abs(ref).max() < 1e-6
+
+
+# ---------------------------------------------------------------- the CPU kernel's fold
+
+def _kernel():
+    from pallas_kernels.f32_matmul import cpu as cpu_f32
+
+    if jax.default_backend() != "cpu" or not cpu_f32.available():
+        pytest.skip(f"the CPU f32 kernel is not built here: {cpu_f32.unavailable_reason()}")
+    return cpu_f32
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 77, 576, 640, 1001, 49152])
+def test_kernel_row_sum_is_the_jnp_fold_bit_for_bit(n):
+    """row_sum on CPU runs the C++ fold (one custom call instead of ~40 HLO ops): the same
+    IEEE adds as row_sum_tree, so the same bits, negative zeros and vmap included."""
+    from jaxinfer.reductions import row_sum_tree
+
+    C = _kernel()
+    x = np.random.default_rng(n).normal(size=(2, 3, n)).astype(np.float32)
+    x[0, 0, :] = -0.0                                  # -0 + 0 padding is +0 in both
+    got = np.asarray(jax.jit(C.row_sum)(x))
+    want = np.asarray(jax.jit(row_sum_tree)(x))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(C.row_sum)(x)), want)
+    if n > 1:
+        assert "jaxinfer_row_sum" in jax.jit(row_sum).lower(x).as_text()
+
+
+@pytest.mark.parametrize("n", [1, 3, 576, 577])
+def test_kernel_sum_of_squares_rounds_each_square(n):
+    """The squares entry (RMSNorm's variance) equals the fold over x * x materialized:
+    every square rounded on its own, no FMA."""
+    C = _kernel()
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(7, n)).astype(np.float32))
+    squares = jax.jit(lambda a: a * a)(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: C.row_sum(a, squares=True))(x)),
+                                  np.asarray(jax.jit(C.row_sum)(squares)))
+
+
+def test_rms_norm_without_the_kernel_is_batch_invariant_too(monkeypatch):
+    """The jnp fold (GPU, TPU, no compiler) keeps the guarantee on its own."""
+    import jaxinfer.reductions as R
+
+    monkeypatch.setattr(R, "_kernel_applies", lambda x: False)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(64, 576)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(576,)).astype(np.float32))
+    f = jax.jit(lambda a: L.rms_norm(a, w, 1e-5))
+    assert "jaxinfer_row_sum" not in f.lower(x).as_text()
+    full = np.asarray(f(x))
+    for t in ROWS:
+        np.testing.assert_array_equal(np.asarray(f(x[:t])), full[:t], err_msg=f"{t} rows")

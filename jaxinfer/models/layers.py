@@ -13,21 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.reductions import row_sum
+from jaxinfer.reductions import row_sum, row_sum_squares
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., D]: normalize in float32, scale in x's dtype (as HF's LlamaRMSNorm does)."""
     x32 = x.astype(jnp.float32)
     # a fixed summation order: XLA's own mean would depend on the number of rows T
-    var = row_sum(x32 * x32)[..., None] / x.shape[-1]
+    var = row_sum_squares(x32)[..., None] / x.shape[-1]
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
 def rms_norm_plus_one(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: scale by (1 + weight), all in float32, then cast (HF Gemma3RMSNorm)."""
     x32 = x.astype(jnp.float32)
-    var = row_sum(x32 * x32)[..., None] / x.shape[-1]       # fixed order, as rms_norm
+    var = row_sum_squares(x32)[..., None] / x.shape[-1]       # fixed order, as rms_norm
     return (x32 * jax.lax.rsqrt(var + eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 

@@ -28,8 +28,12 @@ from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
+TARGET_ROW_SUM = "jaxinfer_row_sum"
+TARGET_ROW_SUM_SQUARES = "jaxinfer_row_sum_squares"
 _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
-                                             TARGET_PANELS: "JaxinferF32MatmulPanels"}, "f32 matmul")
+                                             TARGET_PANELS: "JaxinferF32MatmulPanels",
+                                             TARGET_ROW_SUM: "JaxinferRowSum",
+                                             TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares"}, "f32 matmul")
 PANEL = 16   # columns per panel: the GEMM's register tile width
 
 
@@ -102,6 +106,18 @@ def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32) -> jax.Array:
     if panelled:
         return jax.ffi.ffi_call(TARGET_PANELS, out)(x, w.panels)
     return jax.ffi.ffi_call(TARGET, out)(x, w)
+
+
+def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:
+    """f32 [..., N] -> [...]: jaxinfer/reductions.row_sum's fixed pairwise fold as one
+    custom call (the same bits); ``squares``: of x * x, each square rounded (no FMA), without
+    materializing x * x. Call ``available()`` first: it registers the kernel. Leading
+    dimensions are rows, so a vmapped call just has more of them."""
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"row_sum: expected float32 [..., N >= 1], got {x.dtype} {x.shape}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+    target = TARGET_ROW_SUM_SQUARES if squares else TARGET_ROW_SUM
+    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(x)
 
 
 def f32_matmul_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -575,6 +575,62 @@ ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Row sums in jaxinfer/reductions.py's fixed pairwise order (jaxinfer_row_sum): the
+// row is folded in halves, x[i] += x[i + half], an odd length first padded with one 0,
+// until one value is left: the same IEEE adds on the same operands as the jnp version,
+// so the same bits, and no dependence on the number of rows. Why a kernel: the jnp fold
+// is ~40 HLO instructions per sum, two or more sums a layer, about half of a 30-layer
+// step's HLO: it doubled the compile time and size of every executable (RESULTS
+// "Design measurements"). Rows are independent; the caller's thread runs them.
+// One level: dst[i] = src[i] + src[i + half] over a row of len values padded to even
+// with one 0 (x + 0.0f, not a copy: -0 + 0 is +0 in the jnp fold too). Returns half.
+inline int64_t fold_level(const float* __restrict src, int64_t len, float* __restrict dst) {
+  const int64_t half = (len + 1) / 2, full = len - half;   // full: pairs with a real partner
+  for (int64_t i = 0; i < full; ++i) dst[i] = src[i] + src[i + half];
+  if (full < half) dst[full] = src[full] + 0.0f;
+  return half;
+}
+
+// The first level of a sum of squares: each square rounded on its own, then added
+// (contraction into an FMA is off, so the bits are those of x * x, then the fold).
+__attribute__((optimize("fp-contract=off")))
+inline int64_t fold_level_squares(const float* __restrict src, int64_t len, float* __restrict dst) {
+  const int64_t half = (len + 1) / 2, full = len - half;
+  for (int64_t i = 0; i < full; ++i) {
+    const float a = src[i] * src[i], b = src[i + half] * src[i + half];
+    dst[i] = a + b;
+  }
+  if (full < half) dst[full] = src[full] * src[full] + 0.0f;
+  return half;
+}
+
+template <bool kSquares>
+ffi::Error RowSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  if (xd.size() < 1 || xd.back() < 1)
+    return ffi::Error::InvalidArgument("row_sum: expected x [..., N] with N >= 1");
+  const int64_t n = xd.back(), rows = x.element_count() / n;
+  static thread_local std::vector<float> buf;          // two ping-pong halves
+  const int64_t half0 = (n + 1) / 2;
+  if (static_cast<int64_t>(buf.size()) < 2 * half0) buf.resize(2 * half0);
+  float* t = buf.data();
+  float* u = t + half0;
+  const float* src = x.typed_data();
+  float* out = y->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (n == 1) { out[r] = kSquares ? src[r] * src[r] : src[r]; continue; }
+    int64_t len = kSquares ? fold_level_squares(src + r * n, n, t) : fold_level(src + r * n, n, t);
+    float* a = t;
+    float* b = u;
+    while (len > 1) {
+      len = fold_level(a, len, b);
+      std::swap(a, b);
+    }
+    out[r] = a[0];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32MatmulImpl,
@@ -588,5 +644,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulPanels, F32MatmulPanelsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRowSum, RowSumImpl<false>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRowSumSquares, RowSumImpl<true>,
+                              ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

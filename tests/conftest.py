@@ -54,16 +54,17 @@ def pytest_configure(config):
 
 
 # Seconds each file took in CI (setup + call + teardown, the "xdist workers' busy time"
-# lines of the clean-clone run of 2026-11-27 03:20 UTC; refresh them from a later run's).
+# lines of the clean-clone run of 2026-11-27 06:16 UTC; refresh them from a later run's).
 # Files are handed to the two workers longest first (pyproject turns xdist's own
 # by-test-count order off): a heavy file started last would leave one worker alone.
 FILE_SECONDS = {
-    "test_engine.py": 216, "test_pipeline.py": 205, "test_speculative.py": 200, "test_lora.py": 197,
-    "test_hf_oracle.py": 176, "test_parallel.py": 173, "test_default_model.py": 161,
-    "test_gemma3_real.py": 160, "test_moe.py": 87, "test_beam_search.py": 86, "test_attention_xla.py": 74,
-    "test_prompt_logprobs.py": 73, "test_pallas_attention.py": 71, "test_gemma3.py": 66,
-    "test_numerics_hf.py": 62, "test_quantization.py": 62, "test_multi_step.py": 60,
-    "test_prefix_cache.py": 55, "test_guided_serving.py": 49, "test_gpt_families.py": 45,
+    "test_speculative.py": 212, "test_engine.py": 205, "test_lora.py": 197,
+    "test_pipeline.py": 195, "test_hf_oracle.py": 186, "test_gemma3_real.py": 176,
+    "test_parallel.py": 157, "test_default_model.py": 150, "test_moe.py": 95,
+    "test_beam_search.py": 89, "test_gemma3.py": 78, "test_prompt_logprobs.py": 77,
+    "test_pallas_attention.py": 74, "test_gpt_families.py": 69, "test_attention_xla.py": 67,
+    "test_quantization.py": 58, "test_guided_serving.py": 51, "test_multi_step.py": 51,
+    "test_numerics_hf.py": 48, "test_prefix_cache.py": 40,
 }
 
 

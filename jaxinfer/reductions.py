@@ -43,6 +43,15 @@ def row_sum_squares(x: jax.Array) -> jax.Array:
     return row_sum_tree(x * x)
 
 
+def name() -> str:
+    """What serves float32 row sums here: "cpp" (the C++ fold) or "xla" (the jnp fold)."""
+    if jax.default_backend() != "cpu":
+        return "xla"
+    from pallas_kernels.f32_matmul import cpu as cpu_f32
+
+    return "cpp" if cpu_f32.available() else "xla"
+
+
 def _kernel_applies(x: jax.Array) -> bool:
     if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 2 or jax.default_backend() != "cpu":
         return False

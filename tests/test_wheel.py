@@ -38,7 +38,7 @@ from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
 from pallas_kernels.quantized_matmul import cpu as cpu_matmul
 from pallas_kernels.alloc import cpu as cpu_alloc
 from jaxinfer.attention import dispatch
-from jaxinfer import matmul as M
+from jaxinfer import matmul as M, reductions
 
 cpu_build.build_all_in_background()      # as the engine does at start: all four side by side
 ok = {m.__name__: (m.available(), m.unavailable_reason())
@@ -51,6 +51,7 @@ print(json.dumps({
     "attention": dispatch.select("auto")[0],
     "matmul_f32": M.name(None, "float32"),
     "matmul_int8": M.name("int8", "float32"),
+    "row_sum": reductions.name(),
 }))
 """
 
@@ -102,5 +103,6 @@ def test_wheel_installs_outside_the_tree_and_builds_every_kernel(tmp_path):
         assert ok, f"{name} did not build from the wheel: {reason}"
     assert sorted(n.split("-")[0] for n in res["built"]) == ["f32_matmul", "int8_matmul", "paged_attention",
                                                               "uninitialized"]
-    assert (res["attention"], res["matmul_f32"], res["matmul_int8"]) == ("cpp", "cpp-f32", "cpp-int8")
+    assert (res["attention"], res["matmul_f32"], res["matmul_int8"], res["row_sum"]) == \
+        ("cpp", "cpp-f32", "cpp-int8", "cpp")
     assert "unavailable" not in proc.stderr, proc.stderr[-2000:]

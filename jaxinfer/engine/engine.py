@@ -586,11 +586,13 @@ class Engine:
 
     def kernels(self) -> dict[str, str]:
         """The implementation serving each kind of op: {"attention": "cpp" | "xla" |
-        "pallas-tpu" | ..., "matmul": "cpp-f32" | "cpp-int8" | "xla" | "pallas"}."""
-        from jaxinfer import matmul
+        "pallas-tpu" | ..., "matmul": "cpp-f32" | "cpp-int8" | "xla" | "pallas",
+        "row_sum": "cpp" | "xla" (the norms' fixed-order sums, jaxinfer/reductions.py)}."""
+        from jaxinfer import matmul, reductions
 
         return {"attention": self.runner.attention_name,
-                "matmul": matmul.name(self.config.quantization, self.loaded.model.dtype)}
+                "matmul": matmul.name(self.config.quantization, self.loaded.model.dtype),
+                "row_sum": reductions.name()}
 
     def _prefix_cache_stats(self) -> dict[str, int]:
         per = [r.scheduler.prefix_cache_stats() for r in self.replicas]

@@ -23,7 +23,7 @@ def row_sum(x: jax.Array) -> jax.Array:
     (pallas_kernels/f32_matmul/cpu.row_sum: the same bits, tests/test_reductions.py): traced
     in jnp, the fold is ~40 HLO instructions per sum, and a decoder layer's sums were half
     of its HLO, which doubled every step executable's compile time and resident size
-    (RESULTS "Design measurements"). Elsewhere (GPU, TPU, no C++ compiler) the jnp fold."""
+    (benchmarks/RESULTS.md "Row sums as one C++ custom call"). Elsewhere (GPU, TPU, no C++ compiler) the jnp fold."""
     if _kernel_applies(x):
         from pallas_kernels.f32_matmul import cpu as cpu_f32
 
@@ -53,11 +53,7 @@ def name() -> str:
 
 
 def _kernel_applies(x: jax.Array) -> bool:
-    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 2 or jax.default_backend() != "cpu":
-        return False
-    from pallas_kernels.f32_matmul import cpu as cpu_f32
-
-    return cpu_f32.available()
+    return x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 1 and name() == "cpp"
 
 
 def row_sum_tree(x: jax.Array) -> jax.Array:

@@ -581,7 +581,8 @@ ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // so the same bits, and no dependence on the number of rows. Why a kernel: the jnp fold
 // is ~40 HLO instructions per sum, two or more sums a layer, about half of a 30-layer
 // step's HLO: it doubled the compile time and size of every executable (RESULTS
-// "Design measurements"). Rows are independent; the caller's thread runs them.
+// "Row sums as one C++ custom call"). Rows are independent; the caller's thread runs them.
+//
 // One level: dst[i] = src[i] + src[i + half] over a row of len values padded to even
 // with one 0 (x + 0.0f, not a copy: -0 + 0 is +0 in the jnp fold too). Returns half.
 inline int64_t fold_level(const float* __restrict src, int64_t len, float* __restrict dst) {

@@ -17,6 +17,7 @@ no EOS), batches left-padded with an attention mask. ``--model gemma3-270m``: Ge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -221,6 +222,16 @@ def transformers_available() -> bool:
         return False
 
 
+def _no_init_weights() -> Any:
+    """transformers' switch that skips the random init of a model whose weights are all
+    loaded next (seconds for a 49k- or 262k-row embedding); a no-op where it is missing."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def load_hf_model() -> tuple[Any, float]:
     """The default model in transformers (float32, from its own GGUF reader); (model, secs)."""
     import torch
@@ -237,7 +248,8 @@ def load_hf_model() -> tuple[Any, float]:
     parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
     cfg = dict(parsed["config"])
     cfg.pop("model_type", None)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
+    with _no_init_weights():        # every weight is overwritten just below
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
     missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:
         raise RuntimeError(f"HF GGUF load: missing {missing}, unexpected {unexpected}")
@@ -327,7 +339,8 @@ def hf_gemma3_twin(loaded: Any) -> Any:
         layer_types=hc["layer_types"], query_pre_attn_scalar=hc["query_pre_attn_scalar"],
         max_position_embeddings=hc["max_position_embeddings"], tie_word_embeddings=True,
         hidden_activation=hc["hidden_activation"])
-    hf = transformers.Gemma3ForCausalLM(hf_cfg).float().eval()
+    with _no_init_weights():        # every weight is overwritten below
+        hf = transformers.Gemma3ForCausalLM(hf_cfg).float().eval()
     specs, flat = weight_specs(cfg), flat_params(loaded.model)
     state = {specs[p].hf_name: torch.from_numpy(np.array(a).T.copy() if specs[p].transpose else np.array(a))
              for p, a in flat.items() if p != "lm_head"}

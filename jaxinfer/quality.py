@@ -47,9 +47,9 @@ def tail_logits(model: nnx.Module, tokens: Sequence[int], count: int, kv_int8: b
     graphdef, state = nnx.split(model)
     key = (graphdef, jax.tree.structure(state), Lp, count, kv_int8)
     if key not in _COMPILED:
-        from jaxinfer.quantization import cpu_compiler_options
+        from jaxinfer.engine.resources import compiler_options
         fn = jax.jit(functools.partial(_tail_logits, graphdef, count=count, kv_int8=kv_int8))
-        _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(cpu_compiler_options(model))
+        _COMPILED[key] = fn.lower(state, padded, np.int32(n)).compile(compiler_options(model))
     return np.asarray(_COMPILED[key](state, padded, np.int32(n)))
 
 

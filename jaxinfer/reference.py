@@ -105,17 +105,26 @@ def _sample(logits, t: S.SamplingTensors, prompt_mask, counts, *, num_logprobs: 
 # executables (the graphdef is a hashable static argument), and every generator with the
 # same batch and vocabulary shares the sampler's, prefill and decode alike: the sampler is
 # most of a small model's compile time.
-_FORWARD = jax.jit(_forward, static_argnames=("graphdef", "paged", "invariant"), donate_argnames=("cache",))
-_SAMPLE = jax.jit(_sample, static_argnames=("num_logprobs",), donate_argnames=("counts",))
+# Made on first use: the compile options depend on the backend, which importing must not
+# initialize (a process sets its CPU device count after importing jaxinfer).
+@functools.cache
+def _jitted() -> tuple[Callable, Callable]:
+    from jaxinfer.engine.resources import compiler_options
+
+    opts = compiler_options()
+    return (jax.jit(_forward, static_argnames=("graphdef", "paged", "invariant"), donate_argnames=("cache",),
+                    compiler_options=opts),
+            jax.jit(_sample, static_argnames=("num_logprobs",), donate_argnames=("counts",), compiler_options=opts))
 
 
 def _forward_and_sample(state, tokens, positions, kv_lens, cache, logits_index,
                         t: S.SamplingTensors, prompt_mask, counts, *, graphdef, num_logprobs: int,
                         paged: bool, invariant: bool):
     """One step: the forward, then the sampler. -> (SampleOutput, cache, counts)."""
-    logits, cache = _FORWARD(state, tokens, positions, kv_lens, cache, logits_index, graphdef=graphdef,
+    forward, sample = _jitted()
+    logits, cache = forward(state, tokens, positions, kv_lens, cache, logits_index, graphdef=graphdef,
                              paged=paged, invariant=invariant)
-    out, counts = _SAMPLE(logits, t, prompt_mask, counts, num_logprobs=num_logprobs)
+    out, counts = sample(logits, t, prompt_mask, counts, num_logprobs=num_logprobs)
     return out, cache, counts
 
 

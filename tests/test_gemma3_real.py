@@ -3,7 +3,8 @@
 same dequantized weights (float32) on 8 prompts, two of them chats through the chat
 template, via the Python API (Engine.generate, batched, chunked prefill) and through the
 OpenAI endpoints of the real server (all 8 sent at once, so they are batched there too).
-One engine serves both; transformers' continuations are computed once."""
+One engine serves both. transformers checks the engine's continuations in one forward per
+prompt (tests/hf_greedy.py) and runs its own generate() on one chat."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(__file__))
+from hf_greedy import greedy_mismatch, hf_generate_greedy  # noqa: E402
 from mock_engine import serve_in_thread  # noqa: E402
 
 from jaxinfer.config import SamplingParams  # noqa: E402
@@ -63,34 +65,37 @@ def real(gguf_path):
     return loaded, hf, ids
 
 
-def hf_greedy(hf, ids, n, eos=()):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                          min_new_tokens=0 if eos else n, eos_token_id=list(eos) or None,
-                          pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-@pytest.fixture(scope="module")
-def want(real) -> list[list[int]]:
-    """transformers' greedy N tokens for every prompt (end of turn ignored, as requested)."""
-    _, hf, ids = real
-    return [hf_greedy(hf, prompt, N) for prompt in ids]
-
-
 @pytest.fixture(scope="module")
 def engine(real):
     return Engine(loaded=real[0], progress=False, **ENGINE_KW)
 
 
-def test_greedy_64_tokens_equal_transformers(real, want, engine):
-    loaded, _, ids = real
+@pytest.fixture(scope="module")
+def ours(real, engine) -> list[list[int]]:
+    """The engine's greedy N tokens for every prompt (end of turn ignored, as requested),
+    all prompts in one batch."""
+    p = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in engine.generate(real[2], p)]
+
+
+@pytest.fixture(scope="module")
+def hf_check(real, ours) -> list[str | None]:
+    """Per prompt: None when the engine's tokens are transformers' greedy continuation
+    (one teacher-forced forward each, tests/hf_greedy.py), else the first difference."""
+    _, hf, ids = real
+    return [greedy_mismatch(hf, prompt, toks) for prompt, toks in zip(ids, ours)]
+
+
+def test_greedy_64_tokens_equal_transformers(real, engine, ours, hf_check):
+    """The Python API, 8 prompts batched: transformers' ``generate()`` itself on the first
+    chat (end of turn ignored); transformers' greedy choice at every position of all 8."""
+    loaded, hf, ids = real
     assert loaded.config.architecture == "Gemma3ForCausalLM"
     assert loaded.tokenizer.chat_template and "<start_of_turn>" in loaded.tokenizer.render_chat(CHATS[0])
-    p = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in engine.generate(ids, p)]
-    for k in range(len(ids)):
-        assert got[k] == want[k], f"prompt {k} differs from transformers"
+    assert all(len(t) == N for t in ours)
+    assert ours[len(PROMPTS)] == hf_generate_greedy(hf, ids[len(PROMPTS)], N), "generate() differs"
+    for k, err in enumerate(hf_check):
+        assert err is None, f"prompt {k} differs from transformers: {err}"
     st = engine.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
 
@@ -100,10 +105,12 @@ async def _post_all(url: str, bodies: list[tuple[str, dict]]) -> list[httpx.Resp
         return await asyncio.gather(*(client.post(url + route, json=b) for route, b in bodies))
 
 
-def test_openai_endpoints_equal_transformers(real, want, engine):
+def test_openai_endpoints_equal_transformers(real, ours, hf_check, engine):
     """The 6 text prompts through POST /v1/completions and the 2 chats through
     /v1/chat/completions, at once, greedy, N tokens each (ignore_eos): every reply is
-    transformers' continuation, decoded, of the prompt the server tokenized itself."""
+    transformers' continuation (the engine's tokens, checked against transformers),
+    decoded, of the prompt the server tokenized itself."""
+    assert all(err is None for err in hf_check), hf_check
     loaded, _, ids = real
     tok = loaded.tokenizer
     common = {"model": engine.model_name, "max_tokens": N, "temperature": 0, "ignore_eos": True}
@@ -123,6 +130,6 @@ def test_openai_endpoints_equal_transformers(real, want, engine):
         text = choice["text"] if "text" in choice else choice["message"]["content"]
         assert body["usage"]["prompt_tokens"] == len(ids[k]), f"prompt {k} tokenized differently"
         assert body["usage"]["completion_tokens"] == N
-        assert text == tok.decode(want[k]), f"prompt {k}: the server's reply differs from transformers'"
+        assert text == tok.decode(ours[k]), f"prompt {k}: the server's reply differs from transformers'"
     st = engine.stats()
     assert st["num_free_pages"] == st["num_total_pages"]

@@ -1,12 +1,13 @@
-"""The continuous-batching ``Engine`` against HF transformers ``generate``, directly.
+"""The continuous-batching ``Engine`` against HF transformers, directly.
 
 The other oracles go through ``ReferenceGenerator``, which shares the model, sampler,
 attention and matmuls with the engine, so an error common to both would pass there. Here
 every request runs through the real engine (paged KV cache, requests arriving while others
 run, chunked prefill and preemption forced by a small token budget and KV pool, greedy
-rows batched with sampled neighbours) and is compared with HF ``generate`` (greedy, float32)
-on the same weights: the greedy tokens must be identical and the chosen tokens' logprobs
-and the top alternatives close to HF's log-softmax of its own logits.
+rows batched with sampled neighbours) and is compared with HF (float32) on the same
+weights: the greedy tokens must be HF's greedy choice at every position (HF's logits for
+the whole continuation in one forward, tests/hf_greedy.py) and the chosen tokens' logprobs
+and the top alternatives close to HF's log-softmax of those logits.
 
 Models: the default model (SmolLM2 GGUF, read by transformers' own GGUF reader as in
 tests/test_default_model.py) and tiny random-weight models of each supported family, built
@@ -26,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_greedy import teacher_forced_logits  # noqa: E402
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
@@ -150,15 +152,12 @@ def build_family(family: Family, out_dir: str):
     return model
 
 
-def hf_generate(model, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """HF greedy: n tokens and the log-softmax (float64 of its float32 logits) at each."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-    toks = out.sequences[0, len(ids):].tolist()
-    logits = torch.stack(out.logits, 0)[:, 0].double()
-    return toks, torch.log_softmax(logits, -1).numpy()
+def hf_greedy_logprobs(model, ids: list[int], ours: list[int]) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy choice and log-softmax (float64 of its float32 logits) at each
+    position of the engine's continuation ``ours``, in one forward (tests/hf_greedy.py):
+    where the choices equal ``ours``, they are transformers' greedy continuation."""
+    logits = torch.from_numpy(teacher_forced_logits(model, ids, ours)).double()
+    return logits.argmax(-1).tolist(), torch.log_softmax(logits, -1).numpy()
 
 
 @dataclasses.dataclass
@@ -217,7 +216,8 @@ def compare_with_hf(hf_model, run: Run, prompts: list[list[int]], max_tokens: li
     errors = []
     for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
         out = run.outputs[f"g{i}"].outputs[0]
-        want, lsm = hf_generate(hf_model, ids, n)
+        assert len(out.token_ids) == n
+        want, lsm = hf_greedy_logprobs(hf_model, ids, out.token_ids)
         if out.token_ids != want:
             k = next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), len(want))
             errors.append(f"request {i} (prompt {len(ids)} tokens): tokens differ from HF at "

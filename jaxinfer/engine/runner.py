@@ -34,6 +34,7 @@ from jaxinfer.config import ModelConfig, SamplingParams
 from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc
+from jaxinfer.engine import resources
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine import scoring
 from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_array_shapes
@@ -262,7 +263,7 @@ class ModelRunner:
             from jaxinfer.engine.lora_device import with_lora
 
             mm = with_lora(mm)
-        self.compiler_options = quantization.cpu_compiler_options(model)
+        self.compiler_options = resources.compiler_options(model)
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, self.state_def,
                                                   attention=attn_impl,
                                                   mm=mm, mesh=mesh,
@@ -373,7 +374,8 @@ class ModelRunner:
             logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
             rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
             mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
-            self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile()
+            self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile(
+                resources.compiler_options())
         if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)

@@ -54,17 +54,17 @@ def pytest_configure(config):
 
 
 # Seconds each file took in CI (setup + call + teardown, the "xdist workers' busy time"
-# lines of the clean-clone run of 2026-11-27 06:16 UTC; refresh them from a later run's).
+# lines of the clean-clone run of 2026-11-27 09:00 UTC; refresh them from a later run's).
 # Files are handed to the two workers longest first (pyproject turns xdist's own
 # by-test-count order off): a heavy file started last would leave one worker alone.
 FILE_SECONDS = {
-    "test_speculative.py": 212, "test_engine.py": 205, "test_lora.py": 197,
-    "test_pipeline.py": 195, "test_hf_oracle.py": 186, "test_gemma3_real.py": 176,
-    "test_parallel.py": 157, "test_default_model.py": 150, "test_moe.py": 95,
-    "test_beam_search.py": 89, "test_gemma3.py": 78, "test_prompt_logprobs.py": 77,
-    "test_pallas_attention.py": 74, "test_gpt_families.py": 69, "test_attention_xla.py": 67,
-    "test_quantization.py": 58, "test_guided_serving.py": 51, "test_multi_step.py": 51,
-    "test_numerics_hf.py": 48, "test_prefix_cache.py": 40,
+    "test_lora.py": 158, "test_speculative.py": 155, "test_engine.py": 145, "test_pipeline.py": 140,
+    "test_parallel.py": 117, "test_hf_oracle.py": 98, "test_gemma3_real.py": 77, "test_attention_xla.py": 69,
+    "test_pallas_attention.py": 67, "test_moe.py": 65, "test_beam_search.py": 65, "test_gemma3.py": 63,
+    "test_default_model.py": 60, "test_gpt_families.py": 58, "test_quantization.py": 52,
+    "test_prompt_logprobs.py": 47, "test_guided_serving.py": 47, "test_multi_step.py": 46,
+    "test_prefix_cache.py": 42, "test_serving_real.py": 39, "test_phi3.py": 39, "test_numerics_hf.py": 37,
+    "test_serving_engine.py": 37,
 }
 
 

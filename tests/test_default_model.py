@@ -104,11 +104,12 @@ def test_greedy_64_tokens_identical_to_transformers(loaded, hf_model, prompts):
     p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     # the ~650-token prompt alone, the short ones together: one batch would pad all eight
     # to 1024 positions (5x the prefill work)
-    long = [i for i, ids in enumerate(prompts) if len(ids) > 128]
-    short = [i for i in range(len(prompts)) if i not in long]
-    rows = gen.generate([prompts[i] for i in short], [p] * len(short), [0] * len(short))
-    rows += [gen.generate([prompts[i]], [p], [0])[0] for i in long]
-    ours = [rows[(short + long).index(i)] for i in range(len(prompts))]
+    short = [i for i, ids in enumerate(prompts) if len(ids) <= 128]
+    ours = [None] * len(prompts)
+    for i, row in zip(short, gen.generate([prompts[i] for i in short], [p] * len(short), [0] * len(short))):
+        ours[i] = row
+    for i in set(range(len(prompts))) - set(short):
+        ours[i] = gen.generate([prompts[i]], [p], [0])[0]
     assert ours[0].token_ids == hf_generate_greedy(hf_model, prompts[0], 64)
     for i, (ids, row) in enumerate(zip(prompts, ours)):
         assert len(row.token_ids) == 64

@@ -18,10 +18,9 @@ from jaxinfer.engine.memory import available_ram, total_ram
 log = logging.getLogger("jaxinfer")
 
 
-# XLA:CPU's LLVM backend at -O1 instead of its default -O2: the sampler compiles ~25% and a
-# model step ~7% faster, with the same step times and the same bits (RESULTS.md, "Compile
-# options"; LLVM's -O2 extras are loop passes that XLA:CPU's already-tiled code barely uses,
-# and without fast-math neither level may reassociate a float sum).
+# XLA:CPU's LLVM backend at -O1 instead of its default -O2: step executables compile ~5-10%
+# faster with the same step times and the same bits (benchmarks/RESULTS.md, "CI time and
+# compile options"; without fast-math neither level may reassociate a float sum).
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

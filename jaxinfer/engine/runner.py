@@ -264,6 +264,7 @@ class ModelRunner:
 
             mm = with_lora(mm)
         self.compiler_options = resources.compiler_options(model)
+        self.sampler_compiler_options = resources.compiler_options()      # no weights in it
         self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, self.state_def,
                                                   attention=attn_impl,
                                                   mm=mm, mesh=mesh,
@@ -375,7 +376,7 @@ class ModelRunner:
             rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
             mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
             self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile(
-                resources.compiler_options())
+                self.sampler_compiler_options)
         if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)

@@ -50,6 +50,17 @@ def _glibc(function: str) -> Any:
 def release_host_memory() -> None:
     """Collect garbage and return the C heap's free memory to the system (glibc only)."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the system (glibc ``malloc_trim(0)``; a no-op
+    elsewhere), without a garbage collection: cheap enough (a few ms) to call after each
+    bucket compile. Why: XLA compiles in several threads, each with its own malloc arena,
+    and the compiler's freed scratch stays in those arenas' RSS (measured on the default
+    model, 32 sequences, a cold start: 150-230 MiB free in the arenas once every bucket
+    had compiled, and the RSS 1,463 -> 1,011 MiB at the last bucket with a trim after each
+    compile; loading executables from the persistent cache leaves little: ~25 MiB)."""
     trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)

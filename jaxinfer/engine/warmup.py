@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.batch import Bucket, BucketLadders
+from jaxinfer.engine.memory import trim_heap
 
 log = logging.getLogger("jaxinfer")
 
@@ -98,6 +99,8 @@ class BucketCompiler:
                 return
             t0 = time.perf_counter()
             runner.compile_bucket(b)
+            # the compiler's freed scratch back to the system (memory.trim_heap: why)
+            trim_heap()
             self.seconds += time.perf_counter() - t0
         if self.progress is not None:
             self.progress(self.num_compiled, self.total)

@@ -137,7 +137,8 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
 def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
                     t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array,
                     lora_arrays=None, *, bucket: Bucket, max_steps: int, page_size: int,
-                    attention: Callable, mm: Callable, lora_shape=None, offload_layers: tuple[int, ...] = ()):
+                    attention: Callable, mm: Callable, lora_shape=None, offload_layers: tuple[int, ...] = (),
+                    greedy_only: bool = False):
     """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
     steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
     next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
@@ -152,6 +153,10 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     ``num_steps`` separate steps (tests/test_multi_step.py). The host allocated pages for
     every position up to ``num_steps`` ahead (the page table covers them); padding slots
     keep writing into the sink page 0.
+
+    ``greedy_only`` (a speculative draft's runner, ``samples=False``): each step's token is
+    the argmax (``sampler.greedy_output``: the bits ``t``'s all-greedy rows would give), no
+    logprobs; the sampler is not compiled into the loop.
     """
     state = jax.tree.unflatten(state_def, state_leaves)
     D, Sp = bucket.num_decode, bucket.sample_rows
@@ -173,8 +178,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                                 mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
         pen = _update_penalty_state(pen, ti, a)
-        res = S.sample(logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1],
-                       penalty_rows=sample_rows)
+        res = S.greedy_output(logits, NUM_LOGPROBS) if greedy_only else S.sample(
+            logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1], penalty_rows=sample_rows)
         out = lax.dynamic_update_index_in_dim(out, S.pack(res), i, 0)
         return kv, pen, res.token_ids[:D], out
 
@@ -206,7 +211,8 @@ class ModelRunner:
     its executables. ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the
     default device. ``publisher``: process 0's step broadcaster under jax.distributed.
     A draft model's runner (engine/spec_draft.py) never samples through the sampler
-    executables (``samples=False``: none compiled) and needs multi-step executables only
+    executables (``samples=False``: none compiled; its multi-step decode takes argmax
+    tokens) and needs multi-step executables only
     for decode buckets of at most ``multi_decode_seqs`` slots (None: every one)."""
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
@@ -282,7 +288,7 @@ class ModelRunner:
         self._sample = jax.jit(sample_fn)
         self._multi = jax.jit(functools.partial(multi_decode_fn, self.graphdef, self.state_def,
                                                 attention=attn_impl, mm=mm, page_size=spec.page_size,
-                                                **body_opts),
+                                                greedy_only=not samples, **body_opts),
                               static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step

@@ -585,6 +585,16 @@ def logprobs_of(raw: jax.Array, tok: jax.Array, num_logprobs: jax.Array, k: int)
 
 # ----------------------------------------------------------------------------- transfer
 
+def greedy_output(logits: jax.Array, num_logprobs: int) -> SampleOutput:
+    """Greedy tokens of f32[B, V] raw logits (ties to the lowest id: ``sample``'s greedy
+    path for a row with no penalty and no mask, the same bits), with no logprobs, shaped
+    like ``sample``'s output. For a speculative draft's multi-step decode, which only
+    ever proposes greedy tokens: the full sampler in its loop was most of its compile."""
+    b = logits.shape[0]
+    zf, zi = jnp.zeros((b, num_logprobs), jnp.float32), jnp.zeros((b, num_logprobs), jnp.int32)
+    return SampleOutput(_first_max_index(logits.astype(jnp.float32)), jnp.zeros((b,), jnp.float32), zi, zf)
+
+
 def pack(out: SampleOutput) -> jax.Array:
     """One i32[B, 2 + 2K] array for a single device->host copy (floats bit-cast)."""
     f2i = lambda a: lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)  # noqa: E731

@@ -155,8 +155,10 @@ def test_exports_to_an_otlp_http_receiver():
     try:
         app = build_app(MockAsyncEngine(), tracing=RequestTracing(endpoint, service_name="jx-test"))
         with serve_in_thread(app) as url:
+            # greedy: a sampled mock continuation starts at a random corpus offset and can
+            # hit EOS within 4 tokens (this failed CI once with 2 output tokens)
             r = httpx.post(url + "/v1/completions", headers={"traceparent": TRACEPARENT}, timeout=60,
-                           json={"model": "mock-model", "prompt": "abc", "max_tokens": 4})
+                           json={"model": "mock-model", "prompt": "abc", "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200
         # leaving the server's lifespan shut the tracing down, which flushed the batch
     finally:

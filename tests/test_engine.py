@@ -60,8 +60,13 @@ def tiny_loaded(tokenizer, **overrides) -> LoadedModel:
 @pytest.fixture(scope="module")
 def tiny_engine(default_loaded):
     loaded = tiny_loaded(default_loaded.tokenizer)
+    # The default-model test's four buckets (below): its sampler widths (same vocabulary)
+    # come from the run's compilation cache, and the default ladder's 12 buckets and 5
+    # sampler widths cost ~28 s of compiles; alone (decode 1) and batched (decode 8) still
+    # run in different buckets.
     eng = Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=256, num_pages=64, max_waiting=16)
+                 max_model_len=256, num_pages=64, max_waiting=16, page_buckets=(16,),
+                 decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
     return eng
 
 

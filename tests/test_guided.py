@@ -52,7 +52,8 @@ def eng(tok):
     loaded.model.lm_head.set_value(loaded.model.lm_head[...] * 0.01)
     # tests/test_engine.py's tiny engine shape: the session's compilation cache serves it
     return Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
-                  max_model_len=256, num_pages=64, max_waiting=16)
+                  max_model_len=256, num_pages=64, max_waiting=16, page_buckets=(16,),
+                  decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
 
 
 @pytest.fixture(scope="module")

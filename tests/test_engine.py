@@ -57,6 +57,13 @@ def tiny_loaded(tokenizer, **overrides) -> LoadedModel:
     return LoadedModel(cfg, model, tokenizer, {}, "tiny-random-llama")
 
 
+# Decode 1 / 8 slots, prefill-only and mixed 8 + prefill (four 16-position slots): the
+# default-model tests' buckets (DEFAULT_MODEL_ENGINE_KW, below) and the tiny engines'.
+FOUR_BUCKETS = dict(decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
+TINY_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
+                      max_waiting=16, page_buckets=(16,), **FOUR_BUCKETS)
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(default_loaded):
     loaded = tiny_loaded(default_loaded.tokenizer)
@@ -64,10 +71,7 @@ def tiny_engine(default_loaded):
     # come from the run's compilation cache, and the default ladder's 12 buckets and 5
     # sampler widths cost ~28 s of compiles; alone (decode 1) and batched (decode 8) still
     # run in different buckets.
-    eng = Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=256, num_pages=64, max_waiting=16, page_buckets=(16,),
-                 decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
-    return eng
+    return Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW)
 
 
 def run_with_arrivals(eng: Engine, prompts, params, rng, prefix: str, max_per_step: int):
@@ -105,8 +109,7 @@ def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
 # 16-position slots: several prompts share a step and a 64-token chunk is cut in pieces
 # (engine/batch.py), both of which the token-exact test then covers.
 DEFAULT_MODEL_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-                               num_pages=48, page_buckets=(32,), decode_buckets=(1, 8),
-                               mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
+                               num_pages=48, page_buckets=(32,), **FOUR_BUCKETS)
 
 
 @pytest.mark.slow

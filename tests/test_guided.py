@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from guided_schemas import SCHEMAS  # noqa: E402
-from test_engine import COMPILES, tiny_loaded  # noqa: E402
+from test_engine import COMPILES, TINY_ENGINE_KW, tiny_loaded  # noqa: E402
 
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.engine import guided as G  # noqa: E402
@@ -51,9 +51,7 @@ def eng(tok):
     loaded.model.embed.set_value(loaded.model.embed[...] * 0.01)
     loaded.model.lm_head.set_value(loaded.model.lm_head[...] * 0.01)
     # tests/test_engine.py's tiny engine shape: the session's compilation cache serves it
-    return Engine(loaded=loaded, progress=False, max_num_seqs=8, max_num_batched_tokens=64,
-                  max_model_len=256, num_pages=64, max_waiting=16, page_buckets=(16,),
-                  decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
+    return Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW)
 
 
 @pytest.fixture(scope="module")

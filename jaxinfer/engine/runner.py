@@ -156,7 +156,7 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
 
     ``greedy_only`` (a speculative draft's runner, ``samples=False``): each step's token is
     the argmax (``sampler.greedy_output``: the bits ``t``'s all-greedy rows would give), no
-    logprobs; the sampler is not compiled into the loop.
+    logprobs, no penalty-state update; the sampler is not compiled into the loop.
     """
     state = jax.tree.unflatten(state_def, state_leaves)
     D, Sp = bucket.num_decode, bucket.sample_rows
@@ -177,9 +177,12 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
         logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
                                 mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
-        pen = _update_penalty_state(pen, ti, a)
-        res = S.greedy_output(logits, NUM_LOGPROBS) if greedy_only else S.sample(
-            logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1], penalty_rows=sample_rows)
+        if greedy_only:        # a draft: no penalty state to keep, no sampler in the loop
+            res = S.greedy_output(logits, NUM_LOGPROBS)
+        else:
+            pen = _update_penalty_state(pen, ti, a)
+            res = S.sample(logits, ti, NUM_LOGPROBS, prompt_mask=pen[0], output_counts=pen[1],
+                           penalty_rows=sample_rows)
         out = lax.dynamic_update_index_in_dim(out, S.pack(res), i, 0)
         return kv, pen, res.token_ids[:D], out
 
@@ -212,8 +215,8 @@ class ModelRunner:
     default device. ``publisher``: process 0's step broadcaster under jax.distributed.
     A draft model's runner (engine/spec_draft.py) never samples through the sampler
     executables (``samples=False``: none compiled; its multi-step decode takes argmax
-    tokens) and needs multi-step executables only
-    for decode buckets of at most ``multi_decode_seqs`` slots (None: every one)."""
+    tokens) and needs multi-step executables only for decode buckets of at most
+    ``multi_decode_seqs`` slots (None: every one)."""
 
     def __init__(self, model: LlamaForCausalLM, spec: kvc.KVCacheSpec, num_rows: int,
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -145,6 +147,15 @@ def pytest_terminal_summary(terminalreporter):
                 elif name.startswith("jax_compile:"):
                     fn = name[len("jax_compile:"):-2]
                     per_fn[fn] = per_fn.get(fn, 0.0) + secs
+    if os.environ.get("JAXINFER_TEST_PROFILE"):     # every test's seconds, for tuning CI
+        import json
+
+        rows = [{"nodeid": r.nodeid, "when": r.when, "duration": r.duration,
+                 "worker": getattr(getattr(getattr(r, "node", None), "gateway", None), "id", None),
+                 **{k: v for k, v in getattr(r, "user_properties", ()) if k.startswith("jax_")}}
+                for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "duration")]
+        with open(os.environ["JAXINFER_TEST_PROFILE"], "w") as f:
+            json.dump(rows, f)
     if not busy:
         return
     terminalreporter.write_sep("=", "xdist workers' busy time")

@@ -650,6 +650,11 @@ class EngineConfig:
     # packs several prompts into a step (engine/batch.py)
     prefill_buckets: tuple[tuple[int, int], ...] | None = None
     page_buckets: tuple[int, ...] | None = None
+    # The sampler's rows are a step's sequences rounded up to a power of two, at least
+    # this many: each sampler width is an executable (~2-5 s to compile, ~25 MiB resident
+    # on CPU), so e.g. max_num_seqs compiles one sampler at the cost of sampling padding
+    # rows in smaller steps (the tokens do not depend on it: rows are independent).
+    min_sampler_rows: int = 1
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
     MAX_LORA_RANK = 64
@@ -661,7 +666,7 @@ class EngineConfig:
         _require(self.page_size in (8, 16, 32, 64, 128), "page_size",
                  f"must be one of 8, 16, 32, 64, 128, got {self.page_size!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps",
-                     "pipeline_parallel_size"):
+                     "pipeline_parallel_size", "min_sampler_rows"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",

@@ -26,7 +26,7 @@ from tp_worker import PROMPTS, finish_distributed, run_engine, tiny_loaded  # no
 # 8 and 4 decode slots cut into 2 or 4 equal micro-batches.
 MAX_TOKENS = 24
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=7,
-                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((4, 8),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((4, 8),),
                  page_buckets=(8,))
 GRID = {"1x1x1": (1, 1, 1), "pp2": (1, 2, 1), "pp4": (1, 4, 1), "tp2pp2": (1, 2, 2), "dp2pp2tp2": (2, 2, 2),
         "tp2": (1, 1, 2)}            # name -> (dp, pp, tp)
@@ -50,7 +50,7 @@ def mode_default(tp3pp2: bool = False) -> dict:
                tok.apply_chat_template([{"role": "user", "content": "Name three planets."}],
                                        add_generation_prompt=True)]
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
-              decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 32),), page_buckets=(16,))
+              min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 32),), page_buckets=(16,))
     res = {}
     runs = {"1": (1, 1), "pp2": (2, 1), "pp4": (4, 1)} | ({"tp3pp2": (2, 3)} if tp3pp2 else {})
     for name, (pp, tp) in runs.items():

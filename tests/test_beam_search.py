@@ -105,7 +105,7 @@ def test_width_and_combinations_refused_clearly():
 # ----------------------------------------------------------------------------- engine
 
 ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, num_pages=64, page_size=8,
-                 decode_buckets=(1, 4, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((1, 16),),
+                 min_sampler_rows=16, decode_buckets=(1, 4, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((1, 16),),
                  page_buckets=(8,))
 
 

@@ -59,7 +59,7 @@ def tiny_loaded(tokenizer, **overrides) -> LoadedModel:
 
 # Decode 1 / 8 slots, prefill-only and mixed 8 + prefill (four 16-position slots): the
 # default-model tests' buckets (DEFAULT_MODEL_ENGINE_KW, below) and the tiny engines'.
-FOUR_BUCKETS = dict(decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
+FOUR_BUCKETS = dict(min_sampler_rows=16, decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
 TINY_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
                       max_waiting=16, page_buckets=(16,), **FOUR_BUCKETS)
 

@@ -39,7 +39,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 # Prompts: shorter than the window, and up to four windows long.
 LENS = (5, 23, 40, 64)
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
                  page_buckets=(8,))
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -39,7 +39,7 @@ CHATS = [[{"role": "user", "content": "Write a haiku about the sea."}],
          [{"role": "system", "content": "Answer briefly."},
           {"role": "user", "content": "What is the largest planet in the solar system?"}]]
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
                  page_buckets=(8,))
 
 

@@ -75,7 +75,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # The TP engine's small ladders (few compiles): 4 decode slots; prefill in 2 x 16-position
 # slots, so the 45- and 70-token prompts are cut into chunks over several steps.
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=NPOS, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
                  page_buckets=(8,))
 
 

@@ -275,7 +275,7 @@ def check_run(run: Run, n_prompts: int) -> None:
 # slots (prompts longer than 32 are chunked over steps), 12 pages of 16 tokens for
 # requests needing ~30 (preemption), pages per sequence up to 8 (128 tokens).
 TINY_ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=12,
-                      page_buckets=(8,), decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
+                      page_buckets=(8,), min_sampler_rows=16, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                       prefill_buckets=((2, 16),))
 TINY_PROMPT_LENS = (5, 23, 40, 61, 9, 33)
 TINY_MAX_TOKENS = (20, 12, 24, 16, 32, 8)    # one request of 32 greedy tokens per family

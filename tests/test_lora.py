@@ -38,7 +38,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # Small shapes: 4 rows, 32-token steps cut into two 16-position prefill slots (longer
 # prompts are chunked), 12 pages of 16 tokens (requests of ~40 tokens preempt each other).
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=12,
-                 page_buckets=(8,), decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
+                 page_buckets=(8,), min_sampler_rows=16, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                  prefill_buckets=((2, 16),), progress=False)
 
 

@@ -44,7 +44,7 @@ TAIL = 16
 # Engine runs (TP and Qwen2-MoE): the shapes of tests/test_gpt_families.py (4 decode slots,
 # 2 x 16-position prefill slots, so the 40- and 70-token prompts are chunked).
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=((2, 16),),
                  page_buckets=(8,))
 TOKENS = 16
 _BUILT: dict[str, tuple[object, str]] = {}

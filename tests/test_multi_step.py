@@ -18,7 +18,7 @@ from test_engine import run_with_arrivals, stream_through_async_engine, tiny_loa
 STEPS = 4
 # Small ladders: few executables to compile (a multi-step one per decode bucket).
 KW = dict(progress=False, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
-          max_waiting=16, decode_buckets=(2, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((1, 64),))
+          max_waiting=16, min_sampler_rows=16, decode_buckets=(2, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((1, 64),))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from jaxinfer.engine import offload
 
 # A tiny 4-layer model (tests/tp_worker.py's), small buckets.
 KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=24, page_buckets=(8,),
-          decode_buckets=(1, 4), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 16),), progress=False)
+          min_sampler_rows=16, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4), prefill_buckets=((2, 16),), progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,7 @@ def _tiny_loaded():
 
 # 23 usable pages of 16 tokens: the churn below needs ~40 distinct prefix pages.
 TINY_KW = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=24, page_size=16,
-               decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((4, 16),),
+               min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((4, 16),),
                page_buckets=(16,))
 
 
@@ -420,7 +420,7 @@ def conversations(n: int) -> list[list[str]]:
 # The shapes of tests/test_engine.py's default-model engine: the run's compilation cache
 # then serves both.
 DEFAULT_MODEL_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_pages=48,
-                        page_buckets=(32,), decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
+                        page_buckets=(32,), min_sampler_rows=16, decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
                         prefill_buckets=((4, 16),))
 
 

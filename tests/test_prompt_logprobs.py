@@ -24,7 +24,7 @@ from test_hf_oracle import FAMILIES, build_family  # noqa: E402
 ATOL = 1e-4
 K = 5
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128, num_pages=40,
-                 page_size=8, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
+                 page_size=8, min_sampler_rows=16, decode_buckets=(1, 4), mixed_decode_buckets=(0, 4),
                  prefill_buckets=((1, 8), (4, 8)), page_buckets=(16,), enable_prompt_logprobs=True)
 TINY_FAMILIES = [f for f in FAMILIES if f.name in ("llama", "gpt2")]
 

@@ -540,3 +540,28 @@ def test_prefill_shapes_pack_prompts_and_every_step_fits_a_bucket():
     for seq in seqs:
         assert seq.output_token_ids == [expected_token(seq, j) for j in range(seq.params.max_tokens)]
     assert bm.num_free_pages == bm.num_usable_pages
+
+
+def test_min_sampler_rows_gives_one_sampler_width():
+    """EngineConfig.min_sampler_rows: every bucket's sampler rows are at least that many
+    (num_seqs rounded up to a power of two otherwise), in the ladder and in the buckets
+    ``choose`` returns, so a step's sampler input has that width; below 1: refused."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.batch import BucketLadders, build_step
+
+    shapes = ((4, 16),)
+    plain = BucketLadders((1, 8), (0, 8), shapes, (16,))
+    assert sorted({b.sample_rows for b in plain.all_buckets()}) == [1, 4, 8, 16]
+    one = BucketLadders((1, 8), (0, 8), shapes, (16,), min_sample_rows=16)
+    assert {b.sample_rows for b in one.all_buckets()} == {16}
+    assert one.choose(1, [], 3).sample_rows == 16 and plain.choose(1, [], 3).sample_rows == 1
+    assert one.choose(0, [5], 3) in one.all_buckets()
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 64, 64)
+    for s in make_sequences("r0", [5, 6, 7], SamplingParams(max_tokens=2)):
+        sched.add(s)
+    scheduled = sched.schedule().scheduled
+    b = build_step(scheduled, one, 4, {e.seq.seq_id: 1 for e in scheduled})
+    assert b.bucket.sample_rows == 16
+    with pytest.raises(ValueError, match="min_sampler_rows"):
+        EngineConfig(min_sampler_rows=0)

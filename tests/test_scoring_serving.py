@@ -35,7 +35,7 @@ from jaxinfer.loading import load_model  # noqa: E402
 from serving.app import build_app  # noqa: E402
 
 ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=96,
-                 page_buckets=(16,), decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
+                 page_buckets=(16,), min_sampler_rows=16, decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
                  prefill_buckets=((1, 64),), enable_prompt_logprobs=True)
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 # Same engine shape as tests/test_engine.py's default-model test, so the session's
 # compilation cache serves these executables instead of compiling them again.
 ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_pages=48,
-                 page_buckets=(32,), decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
+                 page_buckets=(32,), min_sampler_rows=16, decode_buckets=(1, 8), mixed_decode_buckets=(0, 8),
                  prefill_buckets=((4, 16),))
 
 

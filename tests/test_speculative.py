@@ -31,7 +31,7 @@ from test_engine import run_with_arrivals
 V = 64
 K = 3
 KW = dict(progress=False, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, num_pages=40,
-          max_waiting=64, decode_buckets=(1, 4, 16), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
+          max_waiting=64, min_sampler_rows=16, decode_buckets=(1, 4, 16), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
           debug_poison_freed_pages=True)
 COMMON = dict(num_speculative_tokens=K, speculative_disable_by_batch_size=4)     # batches of 4 speculate too
 METHODS = ("ngram", "self", "draft")
@@ -328,7 +328,7 @@ def test_default_model_greedy_matches_reference(method):
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     ps = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [eng.generate([p], ps)[0] for p in prompts[:1]] + eng.generate(prompts, ps)
-    ref = ReferenceGenerator(loaded.model)
+    ref = ReferenceGenerator(eng.loaded.model)   # the engine's weights, test_engine's reference
     for p, g in zip(prompts[:1] + prompts, got):
         assert g.outputs[0].token_ids == _reference_tokens(ref, p, ps)
     st = eng.stats()

@@ -126,7 +126,7 @@ def test_engine_watermarks_every_step_and_multi_step_runs(tmp_path):
 
     build_family(next(f for f in FAMILIES if f.name == "llama"), str(tmp_path))
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-              page_buckets=(8,), decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),))
+              page_buckets=(8,), min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),))
     prompts = [[1, 5, 9, 33], [1, 70, 71]]
     wm = SP(max_tokens=20, seed=1, ignore_eos=True, watermark={"delta": 60.0})
     plain = SP(max_tokens=20, seed=2, ignore_eos=True)

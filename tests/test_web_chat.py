@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAILURES = pathlib.Path(os.environ.get("JAXINFER_TEST_ARTIFACTS", tempfile.gettempdir())) / "jaxinfer-web-failures"
 # One compiled shape per step kind: 4 decode rows, 4 prefill slots of 16, 32 pages a sequence.
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_pages=48,
-                 page_buckets=(32,), decode_buckets=(4,), mixed_decode_buckets=(0, 4),
+                 page_buckets=(32,), min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4),
                  prefill_buckets=((4, 16),))
 TIMEOUT_MS = 60_000
 

@@ -18,7 +18,7 @@ from typing import Any
 # Small ladders: a handful of executables (decode 4 rows, mixed 0/4 decodes + one 32-token
 # prefill chunk, pages per sequence up to 8 of 16 tokens).
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=32,
-                 page_buckets=(8,), decode_buckets=(4,), mixed_decode_buckets=(0, 4),
+                 page_buckets=(8,), min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4),
                  prefill_buckets=((1, 32),))
 MODEL_NAME = "tiny-random-llama"
 

@@ -136,7 +136,7 @@ def collectives(text: str, num_tokens: int) -> dict:
 
 
 ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40,
-                 decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
+                 min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 32),),
                  page_buckets=(8,))
 
 
@@ -196,7 +196,7 @@ def mode_default(tps: list[int]) -> dict:
                                        add_generation_prompt=True),
                tok.encode("def fibonacci(n):")]
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
-              decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
+              min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
               page_buckets=(16,))
     res = {}
     for tp in tps:

@@ -50,12 +50,13 @@ class Bucket:
     num_prefill: int
     prefill_chunk: int
     score: bool = False       # also scores every token position (prompt logprobs)
+    min_sample_rows: int = 1  # the sampler sees at least this many rows (BucketLadders)
 
     @classmethod
     def of(cls, num_decode: int, num_prefill: int, prefill_chunk: int, max_pages: int,
-           score: bool = False) -> "Bucket":
+           score: bool = False, min_sample_rows: int = 1) -> "Bucket":
         return cls(num_decode + num_prefill * prefill_chunk, max_pages, num_decode,
-                   num_prefill, prefill_chunk, score)
+                   num_prefill, prefill_chunk, score, min_sample_rows)
 
     @property
     def num_seqs(self) -> int:
@@ -64,8 +65,9 @@ class Bucket:
     @property
     def sample_rows(self) -> int:
         """Rows the sampler sees: num_seqs rounded up to a power of two, so the sampler
-        (slow to compile) has a handful of executables, not one per bucket."""
-        return 1 << (self.num_seqs - 1).bit_length()
+        (slow to compile) has a handful of executables, not one per bucket, and at least
+        ``min_sample_rows``."""
+        return max(1 << (self.num_seqs - 1).bit_length(), self.min_sample_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class BucketLadders:
     ``prefill_shapes`` are (num_prefill, prefill_chunk) pairs: a shape holds any set of
     chunks whose pieces (``pieces``) number at most ``num_prefill``. ``score``: every
     bucket with prefill slots also gets its scoring twin (``Bucket.score``).
+    ``min_sample_rows``: every bucket's sampler sees at least this many rows
+    (EngineConfig.min_sampler_rows): fewer sampler executables, each step samples the padding.
     """
 
     decode_sizes: tuple[int, ...]
@@ -84,6 +88,7 @@ class BucketLadders:
     prefill_shapes: tuple[tuple[int, int], ...]
     page_sizes: tuple[int, ...]
     score: bool = False
+    min_sample_rows: int = 1
 
     def __post_init__(self) -> None:
         for name in ("decode_sizes", "mixed_decode_sizes", "prefill_shapes", "page_sizes"):
@@ -92,9 +97,10 @@ class BucketLadders:
                 raise ValueError(f"{name}: must be a non-empty sorted ladder without repeats, got {v!r}")
 
     def all_buckets(self) -> list[Bucket]:
-        out = {Bucket.of(d, 0, 0, p) for d, p in itertools.product(self.decode_sizes, self.page_sizes)
+        m = self.min_sample_rows
+        out = {Bucket.of(d, 0, 0, p, False, m) for d, p in itertools.product(self.decode_sizes, self.page_sizes)
                if d > 0}
-        out |= {Bucket.of(d, n, c, p, score) for d, (n, c), p in
+        out |= {Bucket.of(d, n, c, p, score, m) for d, (n, c), p in
                 itertools.product(self.mixed_decode_sizes, self.prefill_shapes, self.page_sizes)
                 for score in ((False, True) if self.score else (False,))}
         return sorted(out)
@@ -123,7 +129,8 @@ class BucketLadders:
         pages = _ceil_in(self.page_sizes, max_pages, "pages per sequence")
         if not chunks:
             if num_decode <= self.decode_sizes[-1]:
-                return Bucket.of(_ceil_in(self.decode_sizes, num_decode, "decode slots"), 0, 0, pages)
+                return Bucket.of(_ceil_in(self.decode_sizes, num_decode, "decode slots"), 0, 0, pages,
+                                 False, self.min_sample_rows)
         best = None
         for n, c in self.prefill_shapes:
             if pieces(chunks, c) <= n and (best is None or (n * c, n) < (best[0] * best[1], best[0])):
@@ -132,7 +139,7 @@ class BucketLadders:
             raise ValueError(f"no bucket holds {len(chunks)} prefill chunks of {sum(chunks)} tokens "
                              f"(up to {max(chunks)} each)")
         d = _ceil_in(self.mixed_decode_sizes, num_decode, "decode slots")
-        return Bucket.of(d, best[0], best[1], pages)
+        return Bucket.of(d, best[0], best[1], pages, False, self.min_sample_rows)
 
 
 def holds(b: Bucket, num_decode: int, chunks: Seq[int], max_pages: int) -> bool:

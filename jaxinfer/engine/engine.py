@@ -192,7 +192,8 @@ class Engine:
         lad = BucketLadders(c.decode_buckets or auto.decode_sizes,
                             c.mixed_decode_buckets or auto.mixed_decode_sizes,
                             c.prefill_buckets or auto.prefill_shapes,
-                            c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs)
+                            c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs,
+                            c.min_sampler_rows)
         # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
         # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
         if (c.speculative_method is None and c.max_num_seqs > 1

@@ -45,7 +45,7 @@ def _treedef():
 def encode(bucket: Bucket, host: dict[str, Any]) -> bytes:
     leaves = [np.ascontiguousarray(x) for x in jax.tree.leaves(host)]
     header = json.dumps({"bucket": [bucket.num_decode, bucket.num_prefill, bucket.prefill_chunk,
-                                    bucket.max_pages, bucket.score],
+                                    bucket.max_pages, bucket.score, bucket.min_sample_rows],
                          "leaves": [[x.dtype.str, list(x.shape)] for x in leaves]}).encode()
     return struct.pack("<I", len(header)) + header + b"".join(x.tobytes() for x in leaves)
 

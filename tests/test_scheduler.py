@@ -565,3 +565,9 @@ def test_min_sampler_rows_gives_one_sampler_width():
     assert b.bucket.sample_rows == 16
     with pytest.raises(ValueError, match="min_sampler_rows"):
         EngineConfig(min_sampler_rows=0)
+    from jaxinfer.engine_args import engine_config
+    from serving.cli import build_parser
+
+    assert engine_config(build_parser().parse_args(["serve"]), 32).min_sampler_rows == 1
+    args = build_parser().parse_args(["serve", "--min-sampler-rows", "32"])
+    assert engine_config(args, 32).min_sampler_rows == 32

@@ -181,7 +181,10 @@ class ReferenceGenerator:
         prompt_mask = np.zeros((B, V), bool)
         for b, p in enumerate(prompts):
             prompt_mask[b, np.asarray(p)] = True
-        k = max((p.logprobs or 0) for p in params)
+        # Always the full top-K capacity (SamplingParams bounds logprobs by it), as the
+        # engine's sampler: one sampler executable per batch shape whatever the requests
+        # ask for (the tokens and each logprob do not depend on K).
+        k = min(SamplingParams.MAX_LOGPROBS, V)
         cache = self._cache(B, max_len)
         counts = jnp.zeros((B, V), jnp.int32)
         logits_index = np.arange(B, dtype=np.int32) * seq + lens - 1

@@ -49,6 +49,12 @@ def pytest_configure(config):
     from jaxinfer.loading.weight_cache import use_default_dir
 
     use_default_dir(os.path.join(path, "weights"))
+    # ... and every process a test starts (the TP / PP workers, `jaxinfer serve`) inherits
+    # both: JAX reads its options from JAX_* variables, the weight cache from
+    # JAXINFER_WEIGHT_CACHE; without them a worker's engine used ~/.cache/jaxinfer.
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                      JAXINFER_WEIGHT_CACHE=os.path.join(path, "weights"))
     # Engine()'s default warm-up is "background"; tests that want it say so (test_warmup)
     from jaxinfer.engine.warmup import use_default_mode
 

@@ -135,3 +135,20 @@ def test_cache_directory_others_can_write_is_refused(gguf_path, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="jaxinfer"):
         load_prepared(gguf_path, "float32", None, str(cache))
     assert "not saved" in caplog.text and not list(cache.iterdir())
+
+
+def test_default_dir_from_the_environment(monkeypatch, tmp_path):
+    """EngineConfig's default weight cache: the process's choice (use_default_dir), else
+    $JAXINFER_WEIGHT_CACHE (how tests hand theirs to the processes they start), else ~."""
+    from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+    from jaxinfer.loading import weight_cache as W
+
+    monkeypatch.setattr(W, "_default_dir", None)
+    monkeypatch.setenv("JAXINFER_WEIGHT_CACHE", str(tmp_path / "env"))
+    assert W.resolve_dir(DEFAULT_WEIGHT_CACHE) == str(tmp_path / "env")
+    assert W.resolve_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert W.resolve_dir(None) is None and W.resolve_dir("") is None
+    monkeypatch.delenv("JAXINFER_WEIGHT_CACHE")
+    assert W.resolve_dir(DEFAULT_WEIGHT_CACHE) == os.path.expanduser(DEFAULT_WEIGHT_CACHE)
+    monkeypatch.setattr(W, "_default_dir", str(tmp_path / "chosen"))
+    assert W.resolve_dir(DEFAULT_WEIGHT_CACHE) == str(tmp_path / "chosen")

@@ -65,13 +65,16 @@ def use_default_dir(path: str) -> None:
 
 
 def resolve_dir(configured: str | None) -> str | None:
-    """The directory EngineConfig.weight_cache_dir names (None: off)."""
+    """The directory EngineConfig.weight_cache_dir names (None: off). The default one is
+    ``use_default_dir``'s, else ``$JAXINFER_WEIGHT_CACHE``, else ~/.cache/jaxinfer/weights."""
     from jaxinfer.config import DEFAULT_WEIGHT_CACHE
 
     if not configured:
         return None
-    if configured == DEFAULT_WEIGHT_CACHE and _default_dir:
-        return _default_dir
+    if configured == DEFAULT_WEIGHT_CACHE:
+        default = _default_dir or os.environ.get("JAXINFER_WEIGHT_CACHE")
+        if default:
+            return os.path.expanduser(default)
     return os.path.expanduser(configured)
 
 

@@ -363,14 +363,20 @@ def test_pack_unpack_round_trip():
 # --------------------------------------------------------------------------- batch plumbing
 
 def test_padded_rows_are_greedy_and_harmless():
+    """Padding rows (missing / None) are greedy, marked by PAD_TEMPERATURE; one beside a
+    real row in a block gets the argmax, blocks of padding only are skipped; the real
+    rows' bits do not depend on how many padding rows surround them."""
     t = S.sampling_tensors_from_params([SP(top_p=0.9), None], [1, 2], [0, 0], 4)
-    assert list(t.temperature) == [1.0, 0.0, 0.0, 0.0]
+    assert list(t.temperature) == [1.0] + [S.PAD_TEMPERATURE] * 3 and S.PAD_TEMPERATURE < 0
     assert list(t.num_logprobs) == [-1, -1, -1, -1]
     logits = np.random.default_rng(5).normal(size=(2, V_PAD)).astype(np.float32)
     out = run(logits, [SP(top_p=0.9), None], [1, 2])
-    alone = run(logits[:1], [SP(top_p=0.9)], [1], batch_size=1)
+    alone = run(logits[:1], [SP(top_p=0.9, logprobs=2)], [1], batch_size=1)
     assert out.token_ids[0] == alone.token_ids[0]
     assert out.token_ids[1] == np.argmax(logits[1])
+    for width in (4 * S.ROW_BLOCK, 4 * S.ROW_BLOCK + 2):
+        wide = run(logits[:1], [SP(top_p=0.9, logprobs=2)], [1], batch_size=width)
+        assert all((np.asarray(a) == np.asarray(b)).all() for a, b in zip(wide, alone))
 
 
 def test_one_executable_serves_any_mix():

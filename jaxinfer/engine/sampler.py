@@ -61,6 +61,10 @@ TOPK_CAP = 256        # rows with 1 <= top_k <= this choose among top-k candidat
 NUM_PROPOSALS = 4     # nucleus rejection draws checked per row in one pass over the vocab
 NUM_ROUNDS = 3        # passes of NUM_PROPOSALS draws before the exact bisection fallback
 ROW_BLOCK = 4         # rows per scan step: keeps [rows, V] temporaries small and in cache
+# Padding rows (no request: ``sampling_tensors_from_params``'s missing / None rows) carry
+# this temperature: greedy like temperature 0 wherever read, and ``sample`` skips blocks of
+# them, so a sampler wider than a step's rows costs little more than a narrow one.
+PAD_TEMPERATURE = -1.0
 _CHUNK = 128          # vocab chunk for the two-level argmax and inverse-CDF search
 _TOPK_CHUNK = 32      # vocab chunk for the two-level top-k
 
@@ -111,7 +115,7 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
     if len(seeds) != n or len(steps) != n:
         raise ValueError(f"seeds/steps: need one per row ({n}), got {len(seeds)} and {len(steps)}")
     f32 = lambda fill: np.full(batch_size, fill, np.float32)  # noqa: E731
-    temp, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
+    temp, top_p, min_p = f32(PAD_TEMPERATURE), f32(1.0), f32(0.0)
     rep, pres, freq = f32(1.0), f32(0.0), f32(0.0)
     top_k = np.zeros(batch_size, np.int32)
     seed = np.zeros((batch_size, 2), np.uint32)
@@ -508,7 +512,11 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
         tb = jax.tree.map(lambda a: a[rows], t)
         pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], pen[1][pen[2][rows]]))
         mb = None if token_mask is None else jax.tree.map(lambda a: a[rows], token_mask)
-        return carry, _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)
+        block = lambda: _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)  # noqa: E731
+        # a block of padding rows only (sorted last) is skipped: zeros, which nobody reads
+        skipped = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
+                                       jax.eval_shape(block))
+        return carry, lax.cond(jnp.any(tb.temperature != PAD_TEMPERATURE), block, skipped)
 
     _, out = lax.scan(body, None, order.reshape(b // blk, blk))
     inverse = jnp.zeros(b, jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
@@ -521,6 +529,7 @@ def _row_class(t: SamplingTensors, v: int, cap: int) -> jax.Array:
     greedy = t.temperature <= 0
     small_k = ~greedy & (t.top_k >= 1) & (t.top_k <= cap) & (t.top_k < v)
     path = jnp.where(greedy, 0, jnp.where(small_k, t.top_k, jnp.where(t.top_p < 1, cap + 2, cap + 1)))
+    path = jnp.where(t.temperature == PAD_TEMPERATURE, cap + 3, path)     # padding: last
     pen = (t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)
     return path * 4 + (t.num_logprobs > 0) * 2 + pen
 

@@ -3,12 +3,15 @@
 The outermost front door, so it lives with the server it starts (serving -> jaxinfer).
 
 Config is read once (flags -> EngineConfig / SamplingParams, jaxinfer/engine_args.py). The environment
-variables jaxinfer itself reads are these three (tests/test_readme.py checks the list):
-``$JAXINFER_API_KEY`` (here: the ``serve`` key when no flag gives one), and, in
+variables jaxinfer itself reads are these four (tests/test_readme.py checks the list):
+``$JAXINFER_API_KEY`` (here: the ``serve`` key when no flag gives one); in
 pallas_kernels/cpu_build.py, ``$CXX`` (the compiler for the C++ CPU kernels, default g++)
 and ``$JAXINFER_KERNEL_CACHE`` (where built kernels are kept, default
-~/.cache/jaxinfer/kernels): how the kernels are built, not how the engine runs. Nothing
-else below the CLI reads the environment (the libraries read their own: XLA_FLAGS, JAX_*).
+~/.cache/jaxinfer/kernels): how the kernels are built, not how the engine runs; in
+jaxinfer/loading/weight_cache.py, ``$JAXINFER_WEIGHT_CACHE`` (where the default weight cache
+is, default ~/.cache/jaxinfer/weights; how tests hand theirs to the processes they start).
+Nothing else below the CLI reads the environment (the libraries read their own: XLA_FLAGS,
+JAX_*).
 """
 
 from __future__ import annotations

@@ -651,8 +651,8 @@ class EngineConfig:
     prefill_buckets: tuple[tuple[int, int], ...] | None = None
     page_buckets: tuple[int, ...] | None = None
     # The sampler's rows are a step's sequences rounded up to a power of two, at least
-    # this many: each sampler width is an executable (~2-5 s to compile, ~25 MiB resident
-    # on CPU), so e.g. max_num_seqs compiles one sampler at the cost of sampling padding
+    # this many: each sampler width is an executable (~3-4 s to compile, ~25 MiB resident
+    # on CPU), so a larger minimum compiles fewer of them at the cost of sampling padding
     # rows in smaller steps (the tokens do not depend on it: rows are independent).
     min_sampler_rows: int = 1
 

@@ -24,7 +24,6 @@ def pytest_configure(config):
     engines and generators built by different tests compile identical executables once
     (the cold-start figure is measured by benchmarks, not here), and the user's own caches
     are left alone."""
-    import os
     import tempfile
 
     # Under xdist each worker would run torch's (and OpenBLAS's) threads on every core, and

@@ -59,6 +59,8 @@ def tiny_loaded(tokenizer, **overrides) -> LoadedModel:
 
 # Decode 1 / 8 slots, prefill-only and mixed 8 + prefill (four 16-position slots): the
 # default-model tests' buckets (DEFAULT_MODEL_ENGINE_KW, below) and the tiny engines'.
+# min_sampler_rows=16 (as in every test engine's keywords): one sampler width per engine
+# instead of 3-4, each ~3 s to compile (RESULTS.md "CI time ... session 33").
 FOUR_BUCKETS = dict(min_sampler_rows=16, decode_buckets=(1, 8), mixed_decode_buckets=(0, 8), prefill_buckets=((4, 16),))
 TINY_ENGINE_KW = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64,
                       max_waiting=16, page_buckets=(16,), **FOUR_BUCKETS)

@@ -197,6 +197,31 @@ def test_greedy_identical_alone_and_batched(plain, spec):
     _no_leak(spec)
 
 
+def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir):
+    """'self' keeps no KV pool of its own: its multi-step decode runs on the target's pages
+    (spec_draft.DraftProposer.share_kv), so it never catches up on a prompt and compiles no
+    single-step forward; the target's tokens and logprobs stay the plain engine's bits
+    (the target writes every position it verifies before reading it). 'draft' (another
+    model) keeps its own pool and catches up."""
+    prompts = _prompts(4, seed=5)
+    ps = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    want = plain.generate(prompts, ps)
+    for method in ("self", "draft"):
+        eng = Engine(loaded=tiny, **KW, **method_options(method, draft_dir))
+        d = eng.speculator.proposer
+        got = eng.generate(prompts, ps)
+        _same(want, got, method)
+        assert [g.outputs[0].logprobs for g in got] == [w.outputs[0].logprobs for w in want]
+        assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+        if method == "self":
+            assert d.target is eng.replicas[0].runner and d.runner.kv is None
+            assert d.num_catch_up_tokens == 0 and not d.runner.executables and d.runner.multi_executables
+            assert all(b.num_prefill == 0 for b in d.buckets)
+        else:
+            assert d.target is None and d.runner.kv is not None and d.num_catch_up_tokens > 0
+        _no_leak(eng)
+
+
 def test_stop_and_max_tokens_inside_a_run(plain, spec):
     prompts = _prompts(3, seed=1)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))

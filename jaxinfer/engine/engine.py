@@ -116,6 +116,8 @@ class Engine:
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
                                       m, mesh, attention, self.publisher, self.model_config, self.loras)
                          for m, mesh in zip(models, meshes or [None])]
+        if config.speculative_method == "self":     # the draft reads the target's K/V (spec_draft.py)
+            self.speculator.proposer.share_kv(self.replicas[0].runner)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)

@@ -233,6 +233,9 @@ class ModelRunner:
         if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
             body_opts["offload_layers"] = tuple(offload_layers)
         self.samples, self.multi_decode_seqs = samples, multi_decode_seqs
+        # False: the runner steps only through its multi-step decode (a draft that shares
+        # the target's KV pool: engine/spec_draft.py), so no single-step forwards compile
+        self.forwards = True
         self.cfg = model.cfg
         self.spec = spec
         self.mesh = mesh
@@ -360,7 +363,7 @@ class ModelRunner:
     def is_compiled(self, b: Bucket) -> bool:
         """Every executable a step in ``b`` may call is there (read by the batch builder
         while a background thread compiles: each is stored once it is complete)."""
-        return b in self.executables and (not self.samples or b.sample_rows in self.samplers) and (
+        return (not self.forwards or b in self.executables) and (not self.samples or b.sample_rows in self.samplers) and (
             not self._has_multi(b) or b in self.multi_executables)
 
     def _has_multi(self, b: Bucket) -> bool:
@@ -373,7 +376,7 @@ class ModelRunner:
         sampler of its width, and (multi-step engines, decode-only buckets) its multi-step
         executable. Callers serialize calls (engine/warmup.py holds one lock)."""
         t0 = time.perf_counter()
-        if b not in self.executables:
+        if self.forwards and b not in self.executables:
             args = self._abstract_args(b)
             self.executables[b] = self._forward.lower(*args, self._lora_arrays(abstract=True),
                                                       bucket=b).compile(self.compiler_options)

@@ -12,7 +12,20 @@ page ids, page table and slot mapping index the draft's pool too, and speculativ
 rollback (``BlockManager.trim``) frees a rejected page in both at once. No second block
 manager, no page copies between the pools.
 
-The draft's KV is kept in step lazily. Per sequence the proposer remembers how many
+``self`` shares the target's KV pool (``share_kv``): the draft is the target's own weights
+(quantized, maybe fewer layers), so the target's exact K/V of every computed position is
+context the draft can read as its own, and the draft needs no pool and no catch-up at all.
+Its multi-step decode writes its approximate K/V only at positions the target has not
+computed yet (num_computed_tokens and after), and the verification step that follows
+writes the target's K/V at every position it feeds before any slot attends; a position a
+step never verifies is past num_computed_tokens and is written by the target step that
+computes it, again before it is read. So the target never reads a draft-written slot: its
+tokens stay the plain path's bits. Measured: no prompt catch-up (a whole prompt through the
+draft after the first token) and no one-token catch-up per fully accepted round
+(RESULTS.md, "Speculative decoding: self with a shared KV pool").
+
+``draft`` (another model: its K/V are not the target's) keeps a pool of its own, kept in
+step lazily. Per sequence the proposer remembers how many
 positions the draft has seen; before proposing it feeds those it has not (catch-up): the
 whole prompt the first time a sequence speculates, one token after a step that accepted
 every draft (the last draft token was never fed to the draft), the tokens decoded while
@@ -150,6 +163,22 @@ class DraftProposer:
             or (b.num_prefill > 0 and b.num_decode == ladders.mixed_decode_sizes[0])]
         self._seen: dict[int, tuple[int, int]] = {}     # seq_id -> (num_preemptions, positions the draft saw)
         self.num_catch_up_tokens = 0
+        self.target: Any = None     # the target's ModelRunner once the draft shares its KV pool
+
+    def share_kv(self, target: Any) -> bool:
+        """Use the KV pool of ``target`` (the target's ModelRunner: one device, one process)
+        instead of a pool of the draft's own, when their page arrays match layer by layer
+        (the draft's layers are the target's first ones). Frees the draft's pool, drops its
+        catch-up buckets and single-step forwards. Returns whether it shares."""
+        n = self.spec.num_layers
+        same = lambda a, b: jax.tree.map(lambda x: (x.shape, x.dtype), a) == jax.tree.map(  # noqa: E731
+            lambda x: (x.shape, x.dtype), b)
+        if (target.mesh is not None or target.publisher is not None or n > len(target.kv)
+                or not same(list(target.kv[:n]), list(self.runner.kv))):
+            return False
+        self.target, self.runner.kv, self.runner.forwards = target, None, False
+        self.buckets = [b for b in self.buckets if b.num_prefill == 0]
+        return True
 
     def propose(self, sched: Scheduler, wanted: list[tuple[Sequence, int]],
                 ensure: Callable[[Any, Bucket], None] | None = None) -> dict[int, list[int]]:
@@ -174,13 +203,22 @@ class DraftProposer:
             go.append((seq, k))
         if not go:
             return {}
-        self._catch_up([seq for seq, _ in go], ensure)
+        if self.target is None:
+            self._catch_up([seq for seq, _ in go], ensure)
         batch = build_step([ScheduledSeq(seq, seq.num_tokens - 1, 1, True) for seq, _ in go],
                            self.ladders, self.spec.page_size, _ROWS, lookahead=steps - 1)
         if ensure is not None:
             ensure(self.runner, batch.bucket)
         t = S.sampling_tensors_from_params([], [], [], batch.bucket.sample_rows)     # greedy
-        packed = self.runner.fetch(self.runner.dispatch_multi(batch, t, steps))     # i32[max_steps, S', 2 + 2K]
+        if self.target is None:
+            handle = self.runner.dispatch_multi(batch, t, steps)
+        else:       # the target's pages, donated through the draft's step and handed back
+            n = self.spec.num_layers
+            self.runner.kv = list(self.target.kv[:n])
+            handle = self.runner.dispatch_multi(batch, t, steps)
+            self.target.kv = list(self.runner.kv) + list(self.target.kv[n:])
+            self.runner.kv = None
+        packed = self.runner.fetch(handle)                                          # i32[max_steps, S', 2 + 2K]
         out = {}
         for (slot, _), (seq, k) in zip(batch.entries, go):
             out[seq.seq_id] = packed[:k, slot, 0].tolist()

@@ -9,7 +9,10 @@ and with a list every layer's pages are a buffer of their own, so the per-layer 
 (write_kv) updates in place and the attention gathers straight from it. A stacked array
 with a static layer index makes XLA copy the stacked buffer, and lax.scan over layers
 copies the scanned slices in and out (benchmarks/attention_cpu.py "layout"; RESULTS.md,
-"Design measurements").
+"Design measurements"). A loop over layers does not need a stacked cache: kernels that take
+every layer's pages as variadic operands plus the layer index, with the write aliasing all
+of them in -> out, run inside ``lax.fori_loop`` without a copy and with the same bits
+(benchmarks/layer_loop_probe.py; RESULTS.md "A loop over layers without stacking").
 
 Page 0 is the padding sink: padded tokens of a step carry a slot inside page 0, unused
 page-table entries point at page 0, and nothing ever reads it as real data (the attention

@@ -198,6 +198,35 @@ def test_from_hf_dir_roundtrip(ours, tmp_path):
     assert again.vocab_size == ours.vocab_size
 
 
+@pytest.mark.slow
+def test_saved_tokenizer_loads_without_torch_and_as_autotokenizer_does(ours, tmp_path):
+    """A tokenizer-only directory (what the weight cache saves and every warm start loads)
+    is read by transformers' generic fast class directly: the same class and tokens as
+    AutoTokenizer, without AutoTokenizer's module, which imports torch when torch is
+    installed (seconds of every start). A model directory (config.json) still goes
+    through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    ours.hf.save_pretrained(str(tmp_path))
+    code = ("import sys, json; from jaxinfer.loading.tokenizer import Tokenizer; "
+            f"t = Tokenizer.from_saved({str(tmp_path)!r}, [2], {ours.vocab_size}); "
+            "print(json.dumps([type(t.hf).__name__, 'torch' in sys.modules, "
+            f"[t.encode(x) for x in {CORPUS[:12]!r}]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cls, torch_imported, ids = json.loads(out.stdout.strip().splitlines()[-1])
+    import transformers
+
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert cls == type(auto).__name__ and not torch_imported
+    assert ids == [ours.encode(x) for x in CORPUS[:12]]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    from jaxinfer.loading.tokenizer import _import_transformers, _tokenizer_class
+
+    assert _tokenizer_class(_import_transformers(), str(tmp_path)) is None
+
+
 def test_from_hf_dir_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         Tokenizer.from_hf_dir(str(tmp_path / "nope"))

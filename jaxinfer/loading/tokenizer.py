@@ -86,6 +86,28 @@ def _import_transformers() -> Any:
     return transformers
 
 
+def _tokenizer_class(transformers: Any, path: str) -> Any:
+    """transformers' generic fast tokenizer class when ``path`` is a tokenizer-only directory
+    that declares it (tokenizer_config.json's ``tokenizer_class`` "TokenizersBackend" or
+    "PreTrainedTokenizerFast", no ``auto_map``, no config.json): what the weight cache saves
+    and loads on every warm start, and what AutoTokenizer returns for it. Loaded directly,
+    without importing transformers' auto module, which imports torch whenever torch is
+    installed (~3 s of every start; a tokenizer needs none of it). None otherwise: a model
+    directory's class is AutoTokenizer's choice (it weighs config.json's model type)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return None
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+    if "auto_map" in cfg or name not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return None
+    cls = getattr(transformers, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerFast) else None
+
+
 def _fast_tokenizer(path: str) -> Any:
     """transformers' fast tokenizer from a directory holding tokenizer.json."""
     transformers = _import_transformers()
@@ -95,7 +117,11 @@ def _fast_tokenizer(path: str) -> Any:
         raise FileNotFoundError(
             f"{path}: no tokenizer.json (a fast tokenizer is required; slow/sentencepiece-only "
             "tokenizers are not supported)")
-    hf = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    cls = _tokenizer_class(transformers, path)
+    if cls is not None:
+        hf = cls.from_pretrained(path, local_files_only=True)
+    else:
+        hf = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     if not isinstance(hf, transformers.PreTrainedTokenizerFast):
         raise ValueError(f"{path}: expected a fast tokenizer, got {type(hf).__name__}")
     return hf

@@ -197,8 +197,12 @@ def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str |
 
 
 def _clean_env(home: str) -> dict[str, str]:
-    """This environment with HOME=home, no cache or XLA overrides, the repo importable."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAXINFER_KERNEL_CACHE", "XLA_FLAGS")}
+    """This environment with HOME=home, no cache or XLA overrides, the repo importable, and
+    Python's .pyc files written and read as after a pip install (which compiles them): an
+    inherited PYTHONDONTWRITEBYTECODE (set by some images, e.g. this project's VMs) made every
+    start recompile each module it imports, 2-3 s of CPU no user's install pays."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAXINFER_KERNEL_CACHE", "XLA_FLAGS", "PYTHONDONTWRITEBYTECODE")}
     env.update(HOME=home, PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
 

@@ -441,3 +441,60 @@ def test_alibi_runs_the_cpp_kernel_on_cpu_and_jnp_on_accelerators():
     assert dispatch.select("xla", "cpu", alibi=True) == ("xla", ragged_paged_attention)
     with pytest.raises(ValueError, match="attention: 'pallas' does not take ALiBi slopes"):
         dispatch.select("pallas", "cpu", alibi=True)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no C++ compiler: the CPU attention kernel cannot be built here")
+def test_cpp_layer_indexed_attention_and_write_in_a_loop():
+    """The layer loop's kernels (pallas_kernels/attention/cpu.py): every layer's pages as
+    operands plus a traced layer index. Attention gives ragged_paged_attention's bits on
+    the chosen layer; the write changes only that layer's rows, in place (the kernel fails
+    if XLA copied the pages), as kv_cache.write_kv would; and a lax.fori_loop of write +
+    attend over the layers equals the unrolled per-layer calls bitwise, with no copy of a
+    page array in the loop."""
+    from pallas_kernels.attention import cpu as cpu_attention
+    from jaxinfer.engine.kv_cache import write_kv
+
+    assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    L = 3
+    cases = [make_case([Seq(37, 1), Seq(20, 1), Seq(50, 16)], 2, 16, page_size=16, heads=4, kv_heads=2,
+                       head_dim=64, seed=s) for s in range(L)]
+    c0 = cases[0]
+    kw = dict(num_decode=2, prefill_chunk=16, sm_scale=0.125)
+    ks = [jnp.asarray(np.nan_to_num(c.k_pages)) for c in cases]
+    vs = [jnp.asarray(np.nan_to_num(c.v_pages)) for c in cases]
+    q, kv_lens, q_lens, pt = (jnp.asarray(x) for x in (c0.q, c0.kv_lens, c0.q_lens, c0.page_table))
+    for i in range(L):
+        got = cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(i), kv_lens, q_lens, pt, **kw)
+        want = cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {i}")
+    T = q.shape[0]
+    slots = jnp.asarray((np.arange(T) % 5 + 1) * 16 + np.arange(T) % 16, jnp.int32)   # inside pages 1..5
+    rng = np.random.default_rng(7)
+    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+    v_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+
+    def looped(ks, vs):
+        def body(i, c):
+            ks, vs, acc = c
+            ks, vs = cpu_attention.write_kv_layer(ks, vs, k_new * (i + 1.0), v_new, slots, i)
+            o = cpu_attention.ragged_paged_attention_layer(q, ks, vs, i, kv_lens, q_lens, pt, **kw)
+            return ks, vs, acc + o
+        return jax.lax.fori_loop(0, L, body, (ks, vs, jnp.zeros_like(q)))
+
+    def unrolled(ks, vs):
+        ks, vs, acc = list(ks), list(vs), jnp.zeros_like(q)
+        for i in range(L):
+            ks[i], vs[i] = write_kv(ks[i], vs[i], k_new * (i + 1.0), v_new, slots)
+            acc = acc + cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
+        return ks, vs, acc
+
+    want = jax.jit(unrolled)(ks, vs)
+    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(ks, vs).compile()
+    page_shape = "f32[%d,16,2,64]" % ks[0].shape[0]
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and page_shape in ln]
+    got = compiled([jnp.array(k) for k in ks], [jnp.array(v) for v in vs])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(Exception, match="out of range"):
+        np.asarray(cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(L), kv_lens, q_lens, pt, **kw))

@@ -208,3 +208,44 @@ def test_float_engine_prepares_the_model_bitwise():
     xo = jnp.asarray(_rand((5, a.wo[...].shape[0]), 4))
     np.testing.assert_array_equal(np.asarray(F.f32_matmul(xo, b.wo[...])),
                                   np.asarray(F.f32_matmul(xo, a.wo[...])))
+
+
+@needs_kernel
+@pytest.mark.parametrize("panelled", [False, True])
+def test_layer_indexed_matmul_in_a_loop_copies_no_weight(panelled):
+    """f32_matmul_layer (the layer loop's matmul: every layer's weight as an operand plus a
+    traced index) gives f32_matmul's bits for each layer, alone and inside lax.fori_loop,
+    where XLA hands the loop-invariant weights to the kernel without copying them; an
+    index out of range is an error, not a read past the buffers."""
+    assert F.available(), F.unavailable_reason()
+    L, K, N = 4, 96, 64
+    ws = [jnp.asarray(_rand((K, N), 20 + i)) for i in range(L)]
+    if panelled:
+        ws = [F.panel(w) for w in ws]
+    for M in (1, 5, 33):
+        x = jnp.asarray(_rand((M, K), 30 + M))
+        for i in range(L):
+            np.testing.assert_array_equal(np.asarray(F.f32_matmul_layer(x, ws, jnp.int32(i))),
+                                          np.asarray(F.f32_matmul(x, ws[i])), err_msg=f"M={M} layer {i}")
+    sq = [jnp.asarray(_rand((N, N), 40 + i)) for i in range(L)]      # square: a chain through layers
+    if panelled:
+        sq = [F.panel(w) for w in sq]
+    x = jnp.asarray(_rand((3, N), 50))
+
+    def looped(x, sq):
+        return jax.lax.fori_loop(0, L, lambda i, h: F.f32_matmul_layer(h, sq, i) * 0.1, x)
+
+    def unrolled(x, sq):
+        for w in sq:
+            x = F.f32_matmul(x, w) * 0.1
+        return x
+
+    compiled = jax.jit(looped).lower(x, sq).compile()
+    np.testing.assert_array_equal(np.asarray(compiled(x, sq)), np.asarray(jax.jit(unrolled)(x, sq)))
+    weight_shape = "f32[4,64,16]" if panelled else "f32[64,64]"
+    copies = [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and weight_shape in ln]
+    assert not copies, copies
+    with pytest.raises(Exception, match="out of range"):
+        np.asarray(F.f32_matmul_layer(x, sq, jnp.int32(L)))
+    with pytest.raises(ValueError, match="one shape and layout"):
+        F.f32_matmul_layer(x, [sq[0], jnp.zeros((N, N + 16), jnp.float32)], jnp.int32(0))

@@ -185,3 +185,31 @@ def test_without_the_kernel_int8_takes_the_xla_path(monkeypatch):
     w, x = _weight(64, 96), _x(3, 64)
     np.testing.assert_allclose(np.asarray(M.matmul(x, w)),
                                np.asarray(quantized_matmul_reference(x, w)), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 192), (48, 37)])
+def test_layer_indexed_matmul_in_a_loop_copies_no_weight(K, N):
+    """int8_matmul_layer (the layer loop's int8 matmul: every layer's weight as operands plus
+    a traced index) gives int8_matmul's bits for each layer, packed and plain, and inside
+    lax.fori_loop XLA passes the weights to the kernel without a copy."""
+    assert C.available()
+    L = 3
+    ws = [C.pack(_weight(K, N, seed=10 + i)) for i in range(L)]
+    x = _x(4, K, seed=3)
+    for i in range(L):
+        np.testing.assert_array_equal(np.asarray(C.int8_matmul_layer(x, ws, jnp.int32(i))),
+                                      np.asarray(C.int8_matmul(x, ws[i])), err_msg=f"layer {i}")
+
+    def looped(x, ws):
+        return jax.lax.fori_loop(0, L, lambda i, acc: acc + C.int8_matmul_layer(x, ws, i), jnp.zeros((4, N)))
+
+    def unrolled(x, ws):
+        return sum((C.int8_matmul(x, w) for w in ws), jnp.zeros((4, N)))
+
+    compiled = jax.jit(looped).lower(x, ws).compile()
+    np.testing.assert_array_equal(np.asarray(compiled(x, ws)), np.asarray(jax.jit(unrolled)(x, ws)))
+    q_shape = "s8[%s]" % ",".join(map(str, ws[0].q.shape))
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and q_shape in ln]
+    with pytest.raises(Exception, match="out of range"):
+        np.asarray(C.int8_matmul_layer(x, ws, jnp.int32(L)))

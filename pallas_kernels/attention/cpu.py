@@ -14,6 +14,7 @@ False and attention/dispatch.py keeps the jnp path.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,11 @@ import numpy as np
 from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_paged_attention"
-_KERNEL = cpu_build.Kernel("attention/paged_attention.cc", {TARGET: "JaxinferPagedAttention"},
+TARGET_LAYER = "jaxinfer_paged_attention_layer"
+TARGET_WRITE_LAYER = "jaxinfer_kv_write_layer"
+_KERNEL = cpu_build.Kernel("attention/paged_attention.cc", {TARGET: "JaxinferPagedAttention",
+                                                            TARGET_LAYER: "JaxinferPagedAttentionLayer",
+                                                            TARGET_WRITE_LAYER: "JaxinferKvWriteLayer"},
                            "paged attention")
 
 
@@ -64,3 +69,56 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+# The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages are operands
+# of their own and a traced layer index picks one layer's pair by pointer, so inside
+# lax.fori_loop no page array is sliced (a slice of a stacked cache is a copy) or copied.
+
+def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[jax.Array], v_pages: Sequence[jax.Array],
+                                 layer: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
+                                 page_table: jax.Array, *, num_decode: int, prefill_chunk: int,
+                                 sm_scale: float, sliding_window: int | None = None,
+                                 soft_cap: float | None = None,
+                                 alibi_slopes: jax.Array | None = None) -> jax.Array:
+    """``ragged_paged_attention`` on layer ``layer``'s pages out of every layer's
+    (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D]): the same bits."""
+    from pallas_kernels.attention.xla import check_args
+
+    k_pages, v_pages = list(k_pages), list(v_pages)
+    if not k_pages or len(k_pages) != len(v_pages) or any(
+            p.shape != k_pages[0].shape or p.dtype != jnp.float32 for p in k_pages + v_pages):
+        raise ValueError("paged attention (layer): one float32 K and V page array of one shape per layer")
+    check_args(q, k_pages[0], v_pages[0], kv_lens, q_lens, page_table, num_decode, prefill_chunk)
+    slopes = jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    out = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), idx, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32), slopes, *k_pages, *v_pages,
+        num_decode=np.int64(num_decode), prefill_chunk=np.int64(prefill_chunk),
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)
+
+
+def write_kv_layer(k_pages: Sequence[jax.Array], v_pages: Sequence[jax.Array], k_new: jax.Array,
+                   v_new: jax.Array, slot_mapping: jax.Array,
+                   layer: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """kv_cache.write_kv into layer ``layer``'s pages, in place (every layer's page arrays
+    are aliased in -> out; the kernel fails if XLA copied them): the same page contents.
+    k_new, v_new [T, KVH, D]; slot_mapping i32[T]. Returns (k_pages, v_pages) lists."""
+    k_pages, v_pages = list(k_pages), list(v_pages)
+    L = len(k_pages)
+    if not L or len(v_pages) != L or any(p.shape != k_pages[0].shape or p.dtype != jnp.float32
+                                         for p in k_pages + v_pages):
+        raise ValueError("write_kv_layer: one float32 K and V page array of one shape per layer")
+    N, P, KVH, D = k_pages[0].shape
+    if k_new.shape[1:] != (KVH, D) or v_new.shape != k_new.shape or slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"write_kv_layer: k_new/v_new must be [T, {KVH}, {D}] and slot_mapping i32[T], got "
+                         f"{k_new.shape}, {v_new.shape}, {slot_mapping.shape}")
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    outs = jax.ffi.ffi_call(TARGET_WRITE_LAYER, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in k_pages + v_pages],
+                            input_output_aliases={4 + j: j for j in range(2 * L)})(
+        idx, slot_mapping.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+        *k_pages, *v_pages)
+    return list(outs[:L]), list(outs[L:])

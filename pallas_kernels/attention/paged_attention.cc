@@ -307,6 +307,64 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
+// The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages come as
+// operands K_0 .. K_{L-1}, V_0 .. V_{L-1} and a traced layer index picks one pair by
+// pointer, so inside lax.fori_loop no page array is sliced or copied.
+ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
+                              ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> alibi_slopes,
+                              ffi::RemainingArgs pages, int64_t num_decode, int64_t prefill_chunk,
+                              float sm_scale, int64_t sliding_window, float soft_cap,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t L = static_cast<int64_t>(pages.size()) / 2;
+  if (layer.element_count() != 1 || pages.size() % 2)
+    return ffi::Error::InvalidArgument("paged_attention_layer: expected one i32 layer and K, V pages per layer");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged_attention_layer: layer index out of range");
+  auto k = pages.get<ffi::Buffer<ffi::F32>>(l);
+  auto v = pages.get<ffi::Buffer<ffi::F32>>(L + l);
+  if (!k.has_value() || !v.has_value())
+    return ffi::Error::InvalidArgument("paged_attention_layer: pages must be float32");
+  return AttentionImpl(pool, q, *k, *v, kv_lens, q_lens, page_table, alibi_slopes, num_decode,
+                       prefill_chunk, sm_scale, sliding_window, soft_cap, out);
+}
+
+// This step's K/V rows into layer ``layer``'s pages, in place: operands layer i32[1],
+// slots i32[T] (page * page_size + offset), k_new, v_new [T, KVH, D], then K_0 .. K_{L-1},
+// V_0 .. V_{L-1} [N, page_size, KVH, D]; results the same 2L page arrays, each aliased to
+// its operand (the caller's input_output_aliases), so only the chosen layer's rows change.
+ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                            ffi::RemainingArgs pages, ffi::RemainingRets outs) {
+  const int64_t L = static_cast<int64_t>(pages.size()) / 2;
+  if (layer.element_count() != 1 || pages.size() % 2 || outs.size() != pages.size())
+    return ffi::Error::InvalidArgument("kv_write_layer: expected one i32 layer and K, V pages per layer, aliased");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("kv_write_layer: layer index out of range");
+  const int64_t T = slots.element_count();
+  for (int64_t side = 0; side < 2; ++side) {
+    auto in = pages.get<ffi::Buffer<ffi::F32>>(side * L + l);
+    auto res = outs.get<ffi::Buffer<ffi::F32>>(side * L + l);
+    if (!in.has_value() || !res.has_value())
+      return ffi::Error::InvalidArgument("kv_write_layer: pages must be float32");
+    float* dst = (*res)->typed_data();
+    if (dst != in->typed_data())
+      return ffi::Error::Internal("kv_write_layer: the pages are not aliased to the results (XLA copied them)");
+    const auto pd = in->dimensions();
+    if (pd.size() != 4) return ffi::Error::InvalidArgument("kv_write_layer: pages must be [N, page_size, KVH, D]");
+    const ffi::Buffer<ffi::F32>& rows = side ? v_new : k_new;
+    const int64_t row = pd[2] * pd[3], num_slots = pd[0] * pd[1];
+    if (static_cast<int64_t>(rows.element_count()) != T * row)
+      return ffi::Error::InvalidArgument("kv_write_layer: rows must be [T, KVH, D] of the pages' KVH, D");
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = slots.typed_data()[t];
+      if (s < 0 || s >= num_slots) return ffi::Error::InvalidArgument("kv_write_layer: a slot is out of range");
+      std::memcpy(dst + s * row, rows.typed_data() + t * row, row * sizeof(float));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, AttentionImpl,
@@ -325,3 +383,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, AttentionImpl,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionLayer, AttentionLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("num_decode")
+                                  .Attr<int64_t>("prefill_chunk")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKvWriteLayer, KvWriteLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

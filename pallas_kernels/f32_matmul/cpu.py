@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,12 @@ from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
+TARGET_LAYER = "jaxinfer_f32_matmul_layer"
 TARGET_ROW_SUM = "jaxinfer_row_sum"
 TARGET_ROW_SUM_SQUARES = "jaxinfer_row_sum_squares"
 _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
                                              TARGET_PANELS: "JaxinferF32MatmulPanels",
+                                             TARGET_LAYER: "JaxinferF32MatmulLayer",
                                              TARGET_ROW_SUM: "JaxinferRowSum",
                                              TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares"}, "f32 matmul")
 PANEL = 16   # columns per panel: the GEMM's register tile width
@@ -106,6 +108,28 @@ def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32) -> jax.Array:
     if panelled:
         return jax.ffi.ffi_call(TARGET_PANELS, out)(x, w.panels)
     return jax.ffi.ffi_call(TARGET, out)(x, w)
+
+
+def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32], layer: jax.Array) -> jax.Array:
+    """x f32 [M, K] @ ws[layer] -> f32 [M, N], the same bits as ``f32_matmul(x, ws[layer])``.
+    ``ws``: every layer's weight, all of one shape and layout; ``layer``: a traced i32
+    scalar (e.g. a ``lax.fori_loop`` index). Each weight is an operand of its own and the
+    kernel picks one by pointer, so inside a loop nothing is sliced or copied (a stacked
+    weight's dynamic slice would be a copy per iteration; benchmarks/layer_loop_probe.py).
+    Call ``available()`` first."""
+    ws = list(ws)
+    if not ws:
+        raise ValueError("f32_matmul_layer: needs at least one weight")
+    panelled = isinstance(ws[0], PanelledF32)
+    if any(isinstance(w, PanelledF32) != panelled or w.shape != ws[0].shape or w.dtype != jnp.float32
+           for w in ws):
+        raise ValueError("f32_matmul_layer: every weight must be float32 of one shape and layout, got "
+                         f"{sorted({(tuple(w.shape), str(w.dtype), type(w).__name__) for w in ws})}")
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] != ws[0].shape[0]:
+        raise ValueError(f"f32_matmul_layer: x must be float32 [M, K={ws[0].shape[0]}], got {x.dtype} {x.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[1]), jnp.float32)
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if panelled else w for w in ws])
 
 
 def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:

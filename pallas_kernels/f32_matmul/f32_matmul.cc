@@ -575,6 +575,32 @@ ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// One layer's weight out of every layer's: operands x [M, K], layer i32[1], then w_0 ..
+// w_{L-1} (all plain [K, N] or all panel-major [N/16, K, 16]); computes x @ w_layer with
+// the same FMA chains as the calls above. Why: a loop over layers (lax.fori_loop) can pass
+// every layer's weight as a loop-invariant operand and pick one by pointer, where slicing a
+// stacked weight would copy it each iteration (benchmarks/layer_loop_probe.py).
+ffi::Error F32MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                              ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
+  if (layer.element_count() != 1) return ffi::Error::InvalidArgument("f32_matmul_layer: layer must be one i32");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= static_cast<int64_t>(ws.size()))
+    return ffi::Error::InvalidArgument("f32_matmul_layer: layer index out of range");
+  auto w = ws.get<ffi::Buffer<ffi::F32>>(l);
+  if (!w.has_value()) return ffi::Error::InvalidArgument("f32_matmul_layer: weights must be float32");
+  const auto xd = x.dimensions(), wd = w->dimensions();
+  const bool panelled = wd.size() == 3;
+  if (xd.size() != 2 || (wd.size() != 2 && !(panelled && wd[2] == kNR)))
+    return ffi::Error::InvalidArgument("f32_matmul_layer: expected x [M, K] and w [K, N] or [N/16, K, 16]");
+  const int64_t M = xd[0], K = xd[1], N = panelled ? wd[0] * kNR : wd[1];
+  if ((panelled ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("f32_matmul_layer: x and w disagree on K");
+  if (y->dimensions()[0] != M || y->dimensions()[1] != N)
+    return ffi::Error::InvalidArgument("f32_matmul_layer: the output is not [M, N] of this layer's weight");
+  matmul(pool, Mat{x.typed_data(), w->typed_data(), y->typed_data(), M, K, N, panelled});
+  return ffi::Error::Success();
+}
+
 // Row sums in jaxinfer/reductions.py's fixed pairwise order (jaxinfer_row_sum): the
 // row is folded in halves, x[i] += x[i + half], an odd length first padded with one 0,
 // until one value is left: the same IEEE adds on the same operands as the jnp version,
@@ -646,6 +672,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulPanels, F32MatmulPanelsImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulLayer, F32MatmulLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRowSum, RowSumImpl<false>,

@@ -17,6 +17,7 @@ the XLA path (attention/dispatch.py logs which one it took).
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,10 @@ from pallas_kernels import cpu_build
 from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
 TARGET = "jaxinfer_int8_matmul"
-_KERNEL = cpu_build.Kernel("quantized_matmul/int8_matmul.cc", {TARGET: "JaxinferInt8Matmul"}, "int8 matmul")
+TARGET_LAYER = "jaxinfer_int8_matmul_layer"
+_KERNEL = cpu_build.Kernel("quantized_matmul/int8_matmul.cc", {TARGET: "JaxinferInt8Matmul",
+                                                               TARGET_LAYER: "JaxinferInt8MatmulLayer"},
+                           "int8 matmul")
 
 
 # built, loaded and registered with XLA:CPU once, on the first available()
@@ -61,4 +65,22 @@ def int8_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
         x.astype(jnp.float32), w.q, w.scales.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def int8_matmul_layer(x: jax.Array, ws: Sequence[QuantizedWeight], layer: jax.Array) -> jax.Array:
+    """x [M, K] @ ws[layer] -> [M, N] in x's dtype, the same bits as ``int8_matmul(x,
+    ws[layer])``: every layer's weight (int8, one shape and layout) is an operand of its own
+    and a traced layer index picks one by pointer, so inside lax.fori_loop nothing is
+    sliced or copied (benchmarks/layer_loop_probe.py). Call ``available()`` first."""
+    ws = list(ws)
+    if not ws or any(not isinstance(w, QuantizedWeight) or w.bits != 8 or w.q.shape != ws[0].q.shape
+                     for w in ws):
+        raise ValueError("int8_matmul_layer: every weight must be an int8 QuantizedWeight of one shape and layout")
+    K, N = ws[0].shape
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    y = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
+        x.astype(jnp.float32), idx, *[w.q for w in ws], *[w.scales.astype(jnp.float32) for w in ws])
     return y.astype(x.dtype)

@@ -288,6 +288,23 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// One layer's weight out of every layer's (the layer loop: benchmarks/layer_loop_probe.py):
+// operands x [M, K], layer i32[1], then q_0 .. q_{L-1} and scale_0 .. scale_{L-1}; picks
+// the pair by pointer (no slice, no copy inside lax.fori_loop), the same bits as above.
+ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                               ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
+  const int64_t L = static_cast<int64_t>(ws.size()) / 2;
+  if (layer.element_count() != 1 || ws.size() % 2)
+    return ffi::Error::InvalidArgument("int8_matmul_layer: expected one i32 layer and (q, scale) per layer");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("int8_matmul_layer: layer index out of range");
+  auto q = ws.get<ffi::AnyBuffer>(l);
+  auto scale = ws.get<ffi::Buffer<ffi::F32>>(L + l);
+  if (!q.has_value() || !scale.has_value())
+    return ffi::Error::InvalidArgument("int8_matmul_layer: expected int8 q and float32 scales");
+  return Int8MatmulImpl(pool, x, *q, *scale, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8MatmulImpl,
@@ -296,4 +313,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MatmulLayer, Int8MatmulLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -655,6 +655,11 @@ class EngineConfig:
     # on CPU), so a larger minimum compiles fewer of them at the cost of sampling padding
     # rows in smaller steps (the tokens do not depend on it: rows are independent).
     min_sampler_rows: int = 1
+    # The model's layers as one loop (models/layer_loop.py) where the C++ kernels allow it
+    # (CPU, float32 pages, no LoRA / offload / pipeline stages, identical layers): each step
+    # executable holds one layer instead of all of them (smaller, faster to trace and
+    # compile), the same tokens; elsewhere the layers unroll. False: always unroll.
+    layer_loop: bool = True
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
     MAX_LORA_RANK = 64

@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "to a power of two otherwise): fewer sampler executables (N = 32 with "
                         "--max-num-seqs 32: 2 instead of 7, ~150 MiB less resident on CPU) at the "
                         "cost of sampling padding rows in smaller steps (batch-1 decode ~0.92x)")
+    p.add_argument("--layer-loop", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model's identical layers as one loop where the CPU kernels allow "
+                        "it (one layer per compiled step instead of all: smaller, faster to compile, "
+                        "the same tokens); --no-layer-loop unrolls them")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=["ngram", "self", "draft"], default=None,
                    help="propose tokens and verify them in one step (greedy and seeded outputs "
@@ -180,6 +184,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         device_weight_memory=args.device_weight_memory,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         enable_prompt_logprobs=args.enable_prompt_logprobs, min_sampler_rows=args.min_sampler_rows,
+        layer_loop=args.layer_loop,
         **speculative_options(args),
         **lora_options(args))
 

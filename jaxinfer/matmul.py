@@ -89,10 +89,34 @@ def xla_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]
 
 
+def can_index(w) -> bool:
+    """Whether a weight has a kernel that reads it out of every layer's by a traced index
+    (the layer loop, models/layer_loop.py): float32 or int8 on CPU with the C++ kernels."""
+    if is_quantized(w):
+        if w.bits != 8 or jax.default_backend() != "cpu":
+            return False
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+        return cpu_matmul.available()
+    return len(w.shape) == 2 and f32_kernel_applies(w)
+
+
+def indexed_matmul(x: jax.Array, w) -> jax.Array:
+    """x [T, K] @ layer ``w.index``'s weight (a layer_loop.IndexedWeight): the kernels'
+    indexed forms, the same bits as ``float_matmul`` / ``quantized_matmul`` on that layer's
+    weight (both are batch-invariant, so plain and invariant are one)."""
+    if is_quantized(w.arrays[0]):
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+        return cpu_matmul.int8_matmul_layer(x, w.arrays, w.index)
+    from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
+    return cpu_f32_matmul.f32_matmul_layer(x.astype(jnp.float32), w.arrays, w.index)
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N], the plain engine's dot: the f32 C++ kernel on CPU,
     else XLA's choice of kernel (fastest, not batch-invariant); see float_matmul.
     ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
+    if hasattr(w, "arrays") and hasattr(w, "index"):      # a looped layer's weight
+        return indexed_matmul(x, w)
     if is_quantized(w):
         return quantized_matmul(x, w, invariant=False)
     return float_matmul(x, w, invariant=False)
@@ -102,6 +126,8 @@ def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above): the f32 C++
     kernel on CPU, else XLA in fixed row tiles. ``w`` may be a QuantizedWeight: see
     quantized_matmul."""
+    if hasattr(w, "arrays") and hasattr(w, "index"):      # a looped layer's weight
+        return indexed_matmul(x, w)
     if is_quantized(w):
         return quantized_matmul(x, w, invariant=True)
     return float_matmul(x, w, invariant=True)

@@ -79,7 +79,7 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
         lora = LoraSlots(model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
     runner = ModelRunner(model, kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                          mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora,
-                         offload_layers=offload_layers)
+                         offload_layers=offload_layers, layer_loop=c.layer_loop)
     # beam search forks copy pages on the device: that copy is always there
     runner.enable_page_moves(bm.host.num_slots, host=bool(bm.host.num_slots or c.debug_poison_freed_pages))
     return Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)

@@ -45,7 +45,7 @@ NUM_LOGPROBS = SamplingParams.MAX_LOGPROBS   # top-K capacity of every executabl
 
 
 def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_lens, q_lens,
-                       page_table, cfg: ModelConfig, alibi_slopes=None):
+                       page_table, cfg: ModelConfig, alibi_slopes=None, layer_loop: bool = False):
     """AttentionFn for the model: write this step's K/V into the pages, then attend with
     the layer's options (scale, sliding window, soft-cap: ModelConfig.attention_kwargs).
     ``alibi_slopes`` f32[this device's heads] for ALiBi models (the jnp and C++ paths take them)."""
@@ -58,6 +58,21 @@ def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_len
                       **cfg.attention_kwargs(layer), **extra)
         return o, (k_pages, v_pages)
 
+    if layer_loop:
+        # The layer loop's form (models/layer_loop.py): ``cache`` is (every layer's K pages,
+        # every layer's V pages) and ``layer`` a traced index; the C++ kernels' indexed
+        # forms write and read that layer's pages in place. Uniform attention options
+        # (layer_loop.plan checks), so layer 0's.
+        from pallas_kernels.attention import cpu as cpu_attention
+
+        def attn_loop(layer, q, k, v, cache):
+            ks, vs = cpu_attention.write_kv_layer(cache[0], cache[1], k, v, slot_mapping, layer)
+            o = cpu_attention.ragged_paged_attention_layer(
+                q, ks, vs, layer, kv_lens, q_lens, page_table, num_decode=bucket.num_decode,
+                prefill_chunk=bucket.prefill_chunk, **cfg.attention_kwargs(0), **extra)
+            return o, (ks, vs)
+
+        attn.layer_loop = attn_loop
     return attn
 
 
@@ -84,7 +99,7 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
 
 def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=None, *, bucket: Bucket,
                attention: Callable, mm: Callable, tp_axis: str | None, lora_shape=None,
-               offload_layers: tuple[int, ...] = ()):
+               offload_layers: tuple[int, ...] = (), layer_loop: bool = False):
     """The model over the ragged batch -> (logits f32[S, V], kv); a scoring bucket's
     logits are every token position's, f32[T, V]. Per device under shard_map.
     ``lora_arrays`` / ``lora_shape`` (slots, rank): the LoRA slot arrays (lora_device.py);
@@ -98,7 +113,8 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=No
     alibi = L.model_alibi_slopes(cfg)
     attn = paged_attention_fn(attention, bucket, arrays["slot_mapping"], arrays["kv_lens"],
                               arrays["q_lens"], arrays["page_table"], cfg,
-                              None if alibi is None else L.local_heads(alibi, tp_axis))
+                              None if alibi is None else L.local_heads(alibi, tp_axis),
+                              layer_loop=layer_loop and lora_shape is None and not offload_layers)
     if offload_layers:
         from jaxinfer.engine import offload
 
@@ -138,7 +154,7 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                     t: S.SamplingTensors, num_steps: jax.Array, sample_rows: jax.Array,
                     lora_arrays=None, *, bucket: Bucket, max_steps: int, page_size: int,
                     attention: Callable, mm: Callable, lora_shape=None, offload_layers: tuple[int, ...] = (),
-                    greedy_only: bool = False):
+                    greedy_only: bool = False, layer_loop: bool = False):
     """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
     steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
     next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
@@ -175,7 +191,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
         ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
                                  prev_token=jnp.pad(tokens, (0, Sp - D)))     # the watermark's seed
         logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
-                                mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers)
+                                mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers,
+                                layer_loop=layer_loop)
         logits = jnp.pad(logits, ((0, Sp - D), (0, 0)))
         if greedy_only:        # a draft: no penalty state to keep, no sampler in the loop
             res = S.greedy_output(logits, NUM_LOGPROBS)
@@ -222,7 +239,7 @@ class ModelRunner:
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
                  publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
                  offload_layers: tuple[int, ...] = (), samples: bool = True,
-                 multi_decode_seqs: int | None = None):
+                 multi_decode_seqs: int | None = None, layer_loop: bool = False):
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
@@ -257,6 +274,13 @@ class ModelRunner:
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
                                                                  kv_dtype=spec.dtype,
                                                                  alibi=L.model_alibi_slopes(self.cfg) is not None)
+        # EngineConfig.layer_loop (experimental): the C++ paged attention on float32 pages,
+        # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
+        # (models/layer_loop.py)
+        self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None
+                               and not offload_layers)
+        if self.layer_loop:
+            body_opts["layer_loop"] = True
         V = self.cfg.vocab_size
         if mesh is None:
             self.kv = kvc.allocate_kv_cache(spec, untouched=True)

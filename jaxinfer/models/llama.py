@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig, hf_common_fields
 from jaxinfer import matmul as M
+from jaxinfer.models import layer_loop
 from jaxinfer.models import layers as L
 # Re-exported: the family-neutral pieces used to live here and are imported from here.
 from jaxinfer.models.base import (AttentionFn, MatmulFn, WeightSpec, flat_params,  # noqa: F401
@@ -72,6 +73,8 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
 
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + gated MLP. Attributes are named after ``weight_specs`` paths."""
+
+    loopable = True     # its code reads weights only as self.<name>[...] (models/layer_loop.py)
 
     def __init__(self, cfg: ModelConfig, index: int, specs: dict[str, WeightSpec],
                  dtype: Any, rngs: nnx.Rngs):
@@ -197,10 +200,17 @@ class LlamaForCausalLM(nnx.Module):
         then vocabulary-parallel (one all-reduce in, one all-gather of the logits out).
         Returns (logits f32[S or T, V], updated per-layer caches)."""
         x = self.embed_tokens(tokens, tp_axis)                                # [T, D]
-        new_cache = []
-        for layer, (cos, sin), c in zip(self.layers, self.rope(positions), kv_cache):
-            x, c = layer(x, cos, sin, attn, c, mm, tp_axis)
-            new_cache.append(c)
+        # EngineConfig.layer_loop: one fori_loop over identical layers (models/layer_loop.py)
+        attn_loop = getattr(attn, "layer_loop", None)
+        stacks = None if attn_loop is None else layer_loop.plan(list(self.layers), self.cfg, M.can_index)
+        if stacks is not None:
+            cos, sin = self.rope(positions)[0]
+            x, new_cache = layer_loop.run(list(self.layers), stacks, x, cos, sin, attn_loop, kv_cache, mm, tp_axis)
+        else:
+            new_cache = []
+            for layer, (cos, sin), c in zip(self.layers, self.rope(positions), kv_cache):
+                x, c = layer(x, cos, sin, attn, c, mm, tp_axis)
+                new_cache.append(c)
         if logits_index is not None:
             x = x[logits_index]                                               # [S, D]
         logits = self.final_logits(x, mm)                                     # [S, V_local]

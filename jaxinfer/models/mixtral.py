@@ -65,6 +65,8 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
 class MoeDecoderLayer(DecoderLayer):
     """Llama's layer; a sparse layer's MLP routes each token to its top-k experts."""
 
+    loopable = False    # expert weights are read by gathers, not the mm hook; sparse/dense layers differ
+
     def mlp(self, h: jax.Array, mm: MatmulFn, tp_axis: str | None) -> jax.Array:
         """h [T, D] (normed) -> [T, D]."""
         m = self.cfg.moe

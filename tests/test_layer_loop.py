@@ -7,6 +7,7 @@ other engine tests (engine vs the unrolled reference generator) run the loop too
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -27,7 +28,13 @@ def _tiny_model(num_layers: int = 3) -> LlamaForCausalLM:
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=64, intermediate_size=128,
                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                       tie_word_embeddings=False, eos_token_ids=(2,), qkv_bias=True, qk_norm=True)
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(11))
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(11))
+    rng = np.random.RandomState(num_layers)
+    for layer in model.layers:      # vectors differ per layer (they init to ones / zeros)
+        for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "bq", "bk", "bv"):
+            v = getattr(layer, name)
+            v.set_value(jnp.asarray(1.0 + 0.3 * rng.standard_normal(v[...].shape), v[...].dtype))
+    return model
 
 
 @pytest.fixture(scope="module")

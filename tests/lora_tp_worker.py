@@ -23,7 +23,9 @@ def run(d: str, dp: int, tp: int, lora: bool) -> dict:
     from jaxinfer.loading import load_model
     from tp_worker import ENGINE_KW, PROMPTS, run_engine
 
-    kw = dict(lora_modules={n: f"{d}/{n}" for n in ("a1", "a2", "a3")}, max_loras=2, max_lora_rank=8) if lora else {}
+    # LoRA unrolls the layers (models/layer_loop.py); the plain engine too, so their steps compare
+    kw = (dict(lora_modules={n: f"{d}/{n}" for n in ("a1", "a2", "a3")}, max_loras=2, max_lora_rank=8) if lora
+          else dict(layer_loop=False))
     return run_engine(load_model(d, "float32"), dp, tp, PROMPTS, hlo=tp == 2 and dp == 1,
                       loras=NAMES if lora else None, **ENGINE_KW, **kw)
 

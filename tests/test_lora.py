@@ -521,7 +521,8 @@ def test_tensor_and_data_parallel(tmp_path):
     """Adapters sharded like their weights (TP 2, TP 4 with repeated KV heads, DP 2 x TP 2,
     8 virtual CPU devices in a subprocess): every run gives TP 1's tokens and logits (within
     1e-5 relative) for a mix of three adapters and the base model, and a TP 2 step holds the
-    same collectives with LoRA as without (the partial deltas ride the weights' all-reduces)."""
+    same collectives with LoRA as without (the partial deltas ride the weights' all-reduces;
+    both unrolled: LoRA unrolls the layers)."""
     import subprocess
 
     from test_parallel import ROOT, _cache_args, _env

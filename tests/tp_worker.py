@@ -121,6 +121,7 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
            "kv_heads_per_device": eng.kv_spec.num_kv_heads // tp}
     if hlo:
         res["hlo"] = {"num_layers": loaded.config.num_layers, "hidden_size": loaded.config.hidden_size,
+                      "layer_loop": eng.runner.layer_loop,
                       "buckets": {repr(b): collectives(exe.as_text(), b.num_tokens)
                                   for b, exe in eng.runner.executables.items()}}
     return res

@@ -89,6 +89,11 @@ def xla_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]
 
 
+def is_indexed(w) -> bool:
+    """A looped layer's weight (models/layer_loop.IndexedWeight: every layer's + an index)."""
+    return hasattr(w, "arrays") and hasattr(w, "index")
+
+
 def can_index(w) -> bool:
     """Whether a weight has a kernel that reads it out of every layer's by a traced index
     (the layer loop, models/layer_loop.py): float32 or int8 on CPU with the C++ kernels."""
@@ -115,7 +120,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N], the plain engine's dot: the f32 C++ kernel on CPU,
     else XLA's choice of kernel (fastest, not batch-invariant); see float_matmul.
     ``w`` may be a QuantizedWeight (jaxinfer/quantization.py): see quantized_matmul."""
-    if hasattr(w, "arrays") and hasattr(w, "index"):      # a looped layer's weight
+    if is_indexed(w):
         return indexed_matmul(x, w)
     if is_quantized(w):
         return quantized_matmul(x, w, invariant=False)
@@ -126,7 +131,7 @@ def tiled_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N] -> [T, N], bitwise independent of T (see above): the f32 C++
     kernel on CPU, else XLA in fixed row tiles. ``w`` may be a QuantizedWeight: see
     quantized_matmul."""
-    if hasattr(w, "arrays") and hasattr(w, "index"):      # a looped layer's weight
+    if is_indexed(w):
         return indexed_matmul(x, w)
     if is_quantized(w):
         return quantized_matmul(x, w, invariant=True)

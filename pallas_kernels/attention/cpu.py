@@ -14,7 +14,7 @@ False and attention/dispatch.py keeps the jnp path.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +35,11 @@ _KERNEL = cpu_build.Kernel("attention/paged_attention.cc", {TARGET: "JaxinferPag
 available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_reason, _KERNEL.build
 
 
-@functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
-                                             "sliding_window", "soft_cap"))
-def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array, *,
-                           num_decode: int, prefill_chunk: int, sm_scale: float,
-                           sliding_window: int | None = None,
-                           soft_cap: float | None = None,
-                           alibi_slopes: jax.Array | None = None) -> jax.Array:
-    """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D]; kv_lens, q_lens i32[S];
-    page_table i32[S, P]; ``alibi_slopes`` f32[H] (BLOOM / MPT: query head h adds
-    slope[h] * (key pos - query pos) to its scores). Returns [T, H, D] in q's dtype (f32
-    math). Call ``available()`` first: it registers the kernel."""
+def _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int, prefill_chunk: int,
+             sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+             alibi_slopes: jax.Array | None) -> tuple[jax.Array, dict[str, Any]]:
+    """ValueError naming what is wrong with one layer's arguments; else (the slopes
+    operand, the kernel's attributes), shared by both entry points."""
     from pallas_kernels.attention.xla import check_args
 
     check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
@@ -62,12 +55,28 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
         raise ValueError(f"alibi_slopes: expected [{q.shape[1]}] (one per query head), got {alibi_slopes.shape}")
     slopes = jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    return slopes, dict(num_decode=np.int64(num_decode), prefill_chunk=np.int64(prefill_chunk),
+                        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                        soft_cap=np.float32(soft_cap or 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
+                                             "sliding_window", "soft_cap"))
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           kv_lens: jax.Array, q_lens: jax.Array, page_table: jax.Array, *,
+                           num_decode: int, prefill_chunk: int, sm_scale: float,
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None,
+                           alibi_slopes: jax.Array | None = None) -> jax.Array:
+    """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D]; kv_lens, q_lens i32[S];
+    page_table i32[S, P]; ``alibi_slopes`` f32[H] (BLOOM / MPT: query head h adds
+    slope[h] * (key pos - query pos) to its scores). Returns [T, H, D] in q's dtype (f32
+    math). Call ``available()`` first: it registers the kernel."""
+    slopes, attrs = _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk,
+                             sm_scale, sliding_window, soft_cap, alibi_slopes)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, kv_lens.astype(jnp.int32),
-        q_lens.astype(jnp.int32), page_table.astype(jnp.int32), slopes,
-        num_decode=np.int64(num_decode), prefill_chunk=np.int64(prefill_chunk),
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0))
+        q_lens.astype(jnp.int32), page_table.astype(jnp.int32), slopes, **attrs)
     return out.astype(q.dtype)
 
 
@@ -83,21 +92,16 @@ def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[jax.Array], v_p
                                  alibi_slopes: jax.Array | None = None) -> jax.Array:
     """``ragged_paged_attention`` on layer ``layer``'s pages out of every layer's
     (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D]): the same bits."""
-    from pallas_kernels.attention.xla import check_args
-
     k_pages, v_pages = list(k_pages), list(v_pages)
     if not k_pages or len(k_pages) != len(v_pages) or any(
             p.shape != k_pages[0].shape or p.dtype != jnp.float32 for p in k_pages + v_pages):
         raise ValueError("paged attention (layer): one float32 K and V page array of one shape per layer")
-    check_args(q, k_pages[0], v_pages[0], kv_lens, q_lens, page_table, num_decode, prefill_chunk)
-    slopes = jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    slopes, attrs = _checked(q, k_pages[0], v_pages[0], kv_lens, q_lens, page_table, num_decode, prefill_chunk,
+                             sm_scale, sliding_window, soft_cap, alibi_slopes)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), idx, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), slopes, *k_pages, *v_pages,
-        num_decode=np.int64(num_decode), prefill_chunk=np.int64(prefill_chunk),
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0))
+        page_table.astype(jnp.int32), slopes, *k_pages, *v_pages, **attrs)
     return out.astype(q.dtype)
 
 

@@ -651,10 +651,12 @@ class EngineConfig:
     prefill_buckets: tuple[tuple[int, int], ...] | None = None
     page_buckets: tuple[int, ...] | None = None
     # The sampler's rows are a step's sequences rounded up to a power of two, at least
-    # this many: each sampler width is an executable (~3-4 s to compile, ~25 MiB resident
-    # on CPU), so a larger minimum compiles fewer of them at the cost of sampling padding
-    # rows in smaller steps (the tokens do not depend on it: rows are independent).
-    min_sampler_rows: int = 1
+    # this many. Each sampler width is an executable (~2-3 s to compile, ~26 MiB resident
+    # on CPU). None: the widest any bucket needs, so one sampler serves every step (the
+    # forwards write their rows into a per-width logits buffer in place, so the padding
+    # costs no [rows, V] write per step: engine/runner.py forward_fn); 1: one sampler per
+    # power of two. The tokens do not depend on it: rows are sampled independently.
+    min_sampler_rows: int | None = None
     # The model's layers as one loop (models/layer_loop.py) where the C++ kernels allow it
     # (CPU, float32 pages, no LoRA / offload / pipeline stages, identical layers): each step
     # executable holds one layer instead of all of them (smaller, faster to trace and
@@ -673,6 +675,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "num_scheduler_steps",
                      "pipeline_parallel_size", "min_sampler_rows"):
             v = getattr(self, name)
+            if v is None and name == "min_sampler_rows":
+                continue
             _require(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         _require(self.quantization in (None, "int8", "int4"), "quantization",
                  f"must be None, 'int8' or 'int4', got {self.quantization!r}")

@@ -41,11 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
-    p.add_argument("--min-sampler-rows", type=int, default=1, metavar="N",
+    p.add_argument("--min-sampler-rows", type=int, default=None, metavar="N",
                    help="the sampler sees at least N rows per step (a step's sequences rounded up "
-                        "to a power of two otherwise): fewer sampler executables (N = 32 with "
-                        "--max-num-seqs 32: 2 instead of 7, ~150 MiB less resident on CPU) at the "
-                        "cost of sampling padding rows in smaller steps (batch-1 decode ~0.92x)")
+                        "to a power of two otherwise); default: the widest any step needs, so one "
+                        "sampler executable serves every step (1: one per power of two, ~26 MiB "
+                        "resident each on CPU)")
     p.add_argument("--layer-loop", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model's identical layers as one loop where the CPU kernels allow "
                         "it (one layer per compiled step instead of all: smaller, faster to compile, "

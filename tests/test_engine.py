@@ -225,6 +225,33 @@ def test_logprobs_bitwise_identical_alone_and_batched(tiny_engine):
     assert any(lp.top[1][1] < -1e-3 for lp in alone[0].logprobs)    # alternatives are not all 0
 
 
+def test_one_sampler_for_every_bucket_and_logits_written_in_place(default_loaded):
+    """By default (min_sampler_rows None) every bucket's sampler has the ladder's widest
+    width, so one sampler executable serves all steps; the forwards write their rows into
+    the width's logits buffer in place (the same memory every step: no [rows, V] copy),
+    and a step's padding rows hold an earlier step's logits, which change nothing: a
+    request alone before and after a batched run, and inside it, gets the same bits."""
+    kw = {k: v for k, v in TINY_ENGINE_KW.items() if k != "min_sampler_rows"}
+    eng = Engine(loaded=tiny_loaded(default_loaded.tokenizer), progress=False, **kw)
+    assert eng.config.min_sampler_rows is None
+    assert {b.sample_rows for b in eng.ladders.all_buckets()} == {16}       # 8 decodes + 4 prefill slots
+    r = eng.runner
+    assert set(r.samplers) == {16} and set(r.logits_bufs) == {16}
+    where = r.logits_bufs[16].unsafe_buffer_pointer()
+    rng = np.random.RandomState(11)
+    target = rng.randint(3, 49152, size=30).tolist()
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3)
+    bits = lambda o: [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]  # noqa: E731
+    before = eng.generate([target], sp)[0].outputs[0]
+    others = [rng.randint(3, 49152, size=int(n)).tolist() for n in rng.randint(5, 60, size=7)]
+    batched = eng.generate(others + [target], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 7
+                           + [sp])[-1].outputs[0]
+    after = eng.generate([target], sp)[0].outputs[0]
+    assert bits(before) == bits(batched) == bits(after)
+    assert r.logits_bufs[16].unsafe_buffer_pointer() == where
+    assert eng.stats()["num_free_pages"] == eng.stats()["num_total_pages"]
+
+
 def test_seeded_sampling_reproducible_and_n_samples_differ(tiny_engine):
     # A high temperature: the tiny model's tied, scaled embedding favours repeating its input.
     p = SamplingParams(temperature=4.0, max_tokens=12, seed=42, n=3, ignore_eos=True)

@@ -71,8 +71,7 @@ def test_step_takes_host_weights(engines):
 
     eng = engines[0]
     b = Bucket.of(1, 0, 0, 8)
-    args = eng.runner._abstract_args(b)
-    text = eng.runner._forward.lower(*args, eng.runner._lora_arrays(abstract=True), bucket=b).as_text()
+    text = eng.runner.lower_forward(b).as_text()
     host_kind = offload.host_memory_kind(eng.runner.state_leaves[0].sharding.device_set.pop())
     n_host = sum(1 for x in eng.runner.state_leaves if x.sharding.memory_kind == host_kind)
     assert n_host > 0 and text.count(f'mhlo.memory_kind = "{host_kind}"') >= n_host

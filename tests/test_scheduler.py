@@ -568,6 +568,6 @@ def test_min_sampler_rows_gives_one_sampler_width():
     from jaxinfer.engine_args import engine_config
     from serving.cli import build_parser
 
-    assert engine_config(build_parser().parse_args(["serve"]), 32).min_sampler_rows == 1
+    assert engine_config(build_parser().parse_args(["serve"]), 32).min_sampler_rows is None
     args = build_parser().parse_args(["serve", "--min-sampler-rows", "32"])
     assert engine_config(args, 32).min_sampler_rows == 32

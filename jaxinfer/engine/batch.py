@@ -63,11 +63,16 @@ class Bucket:
         return self.num_decode + self.num_prefill
 
     @property
+    def natural_sample_rows(self) -> int:
+        """num_seqs rounded up to a power of two."""
+        return 1 << (self.num_seqs - 1).bit_length()
+
+    @property
     def sample_rows(self) -> int:
         """Rows the sampler sees: num_seqs rounded up to a power of two, so the sampler
         (slow to compile) has a handful of executables, not one per bucket, and at least
-        ``min_sample_rows``."""
-        return max(1 << (self.num_seqs - 1).bit_length(), self.min_sample_rows)
+        ``min_sample_rows`` (the ladder's default: the widest, so one sampler serves all)."""
+        return max(self.natural_sample_rows, self.min_sample_rows)
 
 
 @dataclass(frozen=True, slots=True)

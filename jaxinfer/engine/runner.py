@@ -1,9 +1,9 @@
 """The model runner: builds the step function, compiles every bucket ahead of time, executes.
 
 One step = two executables back to back, both on device: the forward over the ragged
-batch (one per bucket; KV pages and penalty state donated, updated in place) and the
-sampler (one per slot count S), which returns one packed i32[S, 2 + 2K] array: a single
-device->host copy per step.
+batch (one per bucket; KV pages, penalty state and the logits buffer donated, updated in
+place) and the sampler (one per slot count S, by default one for every bucket), which
+returns one packed i32[S, 2 + 2K] array: a single device->host copy per step.
 
 Tensor parallelism: with a mesh whose "model" axis is > 1 the forward's model body runs
 under ``jax.shard_map`` (weights and KV pages sharded as sharding.py says, the step's
@@ -123,14 +123,21 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=No
     return model(arrays["tokens"], arrays["positions"], kv, attn, index, mm, tp_axis)
 
 
-def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax.Array],
+def forward_fn(graphdef, state_def, state_leaves, kv, pen, logits_buf, arrays: dict[str, jax.Array],
                t: S.SamplingTensors, lora_arrays=None, *, bucket: Bucket, attention: Callable, mm: Callable,
                mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None,
                body_fn: Callable = model_body, **body_opts):
     """One executable per bucket: the model over the ragged batch -> logits f32[S', V],
     kv, penalty state (and a scoring bucket's prompt scores, packed i32[T, 2 + 2K]:
     engine/scoring.py). The weights come as a flat list (``state_leaves`` of the treedef
-    ``state_def``): flattening the nnx State on every call is Python work on every step."""
+    ``state_def``): flattening the nnx State on every call is Python work on every step.
+
+    The logits go into rows [0, S) of ``logits_buf`` f32[S', V] (donated: written in
+    place), S' = ``bucket.sample_rows``: the sampler's width, by default the same for every
+    bucket (one sampler executable, ~26 MiB resident each on CPU). Rows [S, S') keep what
+    an earlier step left there; they are padding rows to the sampler, which reads them
+    only in blocks it never returns (each row's result depends on that row alone), so
+    padding a batch-1 step to S' rows costs no [S', V] write per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
     body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape,
@@ -145,7 +152,7 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str, jax
     if bucket.score:
         scores = scoring.score_rows(logits, arrays["score_targets"], arrays["score_k"], NUM_LOGPROBS)
         logits = logits[arrays["logits_index"]]
-    logits = jnp.pad(logits, ((0, bucket.sample_rows - bucket.num_seqs), (0, 0)))   # [S', V]
+    logits = lax.dynamic_update_slice(logits_buf, logits.astype(logits_buf.dtype), (0, 0))   # [S', V]
     out = (logits, kv, _update_penalty_state(pen, t, arrays))
     return out + (scores,) if bucket.score else out
 
@@ -157,8 +164,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                     greedy_only: bool = False, layer_loop: bool = False):
     """Multi-step decode (``EngineConfig.num_scheduler_steps``): up to ``max_steps`` decode
     steps of a decode-only bucket in one executable, each step's sampled tokens fed to the
-    next on the device -> packed i32[max_steps, S', 2 + 2K] (rows past ``num_steps`` are
-    zeros), kv, penalty state.
+    next on the device -> packed i32[max_steps, S'', 2 + 2K] (S'' = num_decode rounded up to
+    a power of two; rows past ``num_steps`` are zeros), kv, penalty state.
 
     Why: at batch 1 the host's share of a step (scheduling, batch building, the call with
     its ~400 arguments, post-processing) is a large fraction of the step (figures in
@@ -175,7 +182,11 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     logprobs, no penalty-state update; the sampler is not compiled into the loop.
     """
     state = jax.tree.unflatten(state_def, state_leaves)
-    D, Sp = bucket.num_decode, bucket.sample_rows
+    # The sampler inside the loop is this executable's own: it samples num_decode rounded
+    # up to a power of two, not the single-step sampler's (possibly wider) shared width.
+    D, Sp = bucket.num_decode, bucket.natural_sample_rows
+    t = jax.tree.map(lambda a: a[:Sp], t)
+    sample_rows = sample_rows[:Sp]
     live = arrays["q_lens"] > 0                                     # bool[D]
     width = 2 + 2 * NUM_LOGPROBS
 
@@ -207,6 +218,12 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     kv, pen, _, out = lax.fori_loop(0, jnp.minimum(num_steps, max_steps), body,
                                     (kv, pen, arrays["tokens"], out))
     return out, kv, pen
+
+
+def _jit(fn: Callable, **kw: Any) -> Any:
+    """``jax.jit`` of a fresh wrapper of ``fn``: the traces and lowered modules JAX caches
+    under the function are freed with the wrapper once the compile is done."""
+    return jax.jit(functools.partial(fn), **kw)
 
 
 def sample_fn(logits, pen, rows, t: S.SamplingTensors, mask: S.TokenMask):
@@ -301,28 +318,31 @@ class ModelRunner:
             mm = with_lora(mm)
         self.compiler_options = resources.compiler_options(model)
         self.sampler_compiler_options = resources.compiler_options()      # no weights in it
-        self._forward = jax.jit(functools.partial(forward_fn, self.graphdef, self.state_def,
-                                                  attention=attn_impl,
-                                                  mm=mm, mesh=mesh,
-                                                  state_specs=state_specs, kv_specs=kv_specs,
-                                                  lora_specs={} if lora is None else lora.specs(),
-                                                  body_fn=pipeline.stage_body if pipelined else model_body,
-                                                  **body_opts),
-                                static_argnames=("bucket",), donate_argnums=(1, 2))
+        # The step functions; each compile jits them afresh (``_jit``): JAX caches a
+        # function's traces and lowered modules for as long as its jit object lives, ~3 MiB
+        # per forward and ~9 MiB per sampler on the default model that nothing reads after
+        # the compile (measured: 92 MiB once every bucket had compiled).
+        self._forward_fn = functools.partial(forward_fn, self.graphdef, self.state_def,
+                                             attention=attn_impl,
+                                             mm=mm, mesh=mesh,
+                                             state_specs=state_specs, kv_specs=kv_specs,
+                                             lora_specs={} if lora is None else lora.specs(),
+                                             body_fn=pipeline.stage_body if pipelined else model_body,
+                                             **body_opts)
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same
         # work, and XLA:CPU's TopkDecomposer crashes compiling the sampler's barrier-wrapped
         # top-k for several devices. Followers (multi-process) do not sample at all.
         self.sample_device = None if mesh is None else next(
             d for d in mesh.devices.flat if d.process_index == jax.process_index())
-        self._sample = jax.jit(sample_fn)
-        self._multi = jax.jit(functools.partial(multi_decode_fn, self.graphdef, self.state_def,
-                                                attention=attn_impl, mm=mm, page_size=spec.page_size,
-                                                greedy_only=not samples, **body_opts),
-                              static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
+        self._multi_fn = functools.partial(multi_decode_fn, self.graphdef, self.state_def,
+                                           attention=attn_impl, mm=mm, page_size=spec.page_size,
+                                           greedy_only=not samples, **body_opts)
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
+        # f32[S', V] per sampler width S': the forwards' logits, donated and rewritten in place
+        self.logits_bufs: dict[int, jax.Array] = {}
         self._empty_masks: dict[int, S.TokenMask] = {}
         self.compile_seconds = 0.0
         self._kv_pen_abstract = None
@@ -401,9 +421,9 @@ class ModelRunner:
         executable. Callers serialize calls (engine/warmup.py holds one lock)."""
         t0 = time.perf_counter()
         if self.forwards and b not in self.executables:
-            args = self._abstract_args(b)
-            self.executables[b] = self._forward.lower(*args, self._lora_arrays(abstract=True),
-                                                      bucket=b).compile(self.compiler_options)
+            if b.sample_rows not in self.logits_bufs:
+                self.logits_bufs[b.sample_rows] = self._new_logits_buf(b.sample_rows)
+            self.executables[b] = self.lower_forward(b).compile(self.compiler_options)
         if self.samples and b.sample_rows not in self.samplers:
             _, _, pen, _, t = self._abstract_args(b)
             one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
@@ -411,16 +431,32 @@ class ModelRunner:
             logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
             rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
             mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
-            self.samplers[b.sample_rows] = self._sample.lower(logits, pen, rows, t, mask).compile(
+            self.samplers[b.sample_rows] = _jit(sample_fn).lower(logits, pen, rows, t, mask).compile(
                 self.sampler_compiler_options)
         if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)
             rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
-            self.multi_executables[b] = self._multi.lower(
+            multi = _jit(self._multi_fn, static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
+            self.multi_executables[b] = multi.lower(
                 state, kv, pen, arrays, t, scalar, rows, self._lora_arrays(abstract=True), bucket=b,
                 max_steps=self.num_scheduler_steps).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
+
+    def lower_forward(self, b: Bucket) -> Any:
+        """Bucket ``b``'s forward, lowered (jax.stages.Lowered) from abstract arguments."""
+        state, kv, pen, arrays, t = self._abstract_args(b)
+        buf = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32),
+                             None if self.mesh is None else shd.replicated(self.mesh))
+        fwd = _jit(self._forward_fn, static_argnames=("bucket",), donate_argnums=(1, 2, 3))
+        return fwd.lower(state, kv, pen, buf, arrays, t, self._lora_arrays(abstract=True), bucket=b)
+
+    def _new_logits_buf(self, rows: int) -> jax.Array:
+        """A zeroed f32[rows, V] logits buffer (replicated over the mesh, if any)."""
+        shape = (rows, self.cfg.vocab_size)
+        if self.mesh is None:
+            return jnp.zeros(shape, jnp.float32)
+        return _jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=shd.replicated(self.mesh))()
 
     def empty_mask(self, rows: int) -> S.TokenMask:
         """The all-allowed TokenMask of ``rows`` rows, made once per width and kept on the
@@ -473,9 +509,13 @@ class ModelRunner:
         else:
             rep = shd.replicated(self.mesh)
             dev = jax.tree.map(lambda x: shd.put(x, rep), host)
-        logits, self.kv, self.pen, *scores = self.executables[b](self.state_leaves, self.kv, self.pen,
-                                                                   dev["arrays"], dev["t"], self._lora_arrays())
-        self.last_logits = logits      # f32[S', V] on device, for tests and debugging (no copy)
+        logits, self.kv, self.pen, *scores = self.executables[b](
+            self.state_leaves, self.kv, self.pen, self.logits_bufs[b.sample_rows], dev["arrays"], dev["t"],
+            self._lora_arrays())
+        self.logits_bufs[b.sample_rows] = logits
+        # f32[S', V] on device (rows >= the bucket's num_seqs: stale), for tests and
+        # debugging (no copy); the next step in a bucket of this width donates it
+        self.last_logits = logits
         self.last_scores = scores[0] if scores else None   # a scoring bucket's i32[T, 2 + 2K]
         if not sample:
             return logits

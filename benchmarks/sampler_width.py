@@ -3,9 +3,11 @@
 * ``micro``: the sampler executable alone (runner.sample_fn), vocabulary 49152 (the
   default model's), one real row padded to widths 1 / 4 / 16 / 32, greedy and sampled:
   compile seconds and the mean of 50 calls.
-* ``engine``: the default model on ``serve``'s ladder (max_num_seqs 32), batch-1 decode of
-  96 tokens with ``min_sampler_rows`` 1 vs 32, greedy and sampled, engines alternating
-  (3 reps): tok/s and whether the tokens are the same.
+* ``engine``: the default model on the default ladder (max_num_seqs 64: widths up to 128),
+  batch-1 decode of 96 tokens with ``min_sampler_rows`` 1 (one sampler per power of two)
+  vs the default None (one sampler of the widest width; the forwards write their rows
+  into it in place), greedy and sampled, engines alternating (5 reps): tok/s and whether
+  the tokens are the same.
 
     python benchmarks/sampler_width.py [micro] [engine]
 """
@@ -60,11 +62,10 @@ def engine() -> None:
     loaded = load_model(None, "float32")
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a lighthouse keeper."}], add_generation_prompt=True)
-    engines = {m: Engine(loaded=loaded, progress=False, max_num_seqs=32, min_sampler_rows=m, warmup="full")
-               for m in (1, 32)}
+    engines = {m: Engine(loaded=loaded, progress=False, min_sampler_rows=m, warmup="full") for m in (1, None)}
     print({m: len(e.runner.samplers) for m, e in engines.items()}, "sampler executables", flush=True)
     n, rates, tokens = 96, {}, {}
-    for _ in range(3):
+    for _ in range(5):
         for kind, sp in (("greedy", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)),
                          ("sampled", SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=n,
                                                     ignore_eos=True))):
@@ -74,9 +75,9 @@ def engine() -> None:
                 tokens[kind, m] = e.generate([prompt], sp)[0].outputs[0].token_ids
                 rates.setdefault((kind, m), []).append(n / (time.perf_counter() - t0))
     for kind in ("greedy", "sampled"):
-        a, b = np.median(rates[kind, 1]), np.median(rates[kind, 32])
-        print(f"{kind}: min_sampler_rows 1 {a:.1f} tok/s, 32 {b:.1f} tok/s ({b / a:.3f}x); "
-              f"same tokens: {tokens[kind, 1] == tokens[kind, 32]}", flush=True)
+        a, b = np.median(rates[kind, 1]), np.median(rates[kind, None])
+        print(f"{kind}: min_sampler_rows 1 {a:.1f} tok/s, default (one width) {b:.1f} tok/s ({b / a:.3f}x); "
+              f"same tokens: {tokens[kind, 1] == tokens[kind, None]}", flush=True)
 
 
 if __name__ == "__main__":

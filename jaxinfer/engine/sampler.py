@@ -490,7 +490,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     ``token_mask`` (TokenMask of B rows) is applied after the penalties, before
     temperature; logprobs still describe the raw logits.
 
-    Rows are processed ``row_block`` at a time by a ``lax.scan``, grouped by the work they
+    Rows are processed ``row_block`` at a time by a loop, grouped by the work they
     need: XLA:CPU materializes every [rows, V] intermediate (it fuses no elementwise work
     into reductions), and a whole-batch temporary is fresh memory every call, paid for in
     page faults; a block's temporaries stay in cache and are reused. Within a block each
@@ -508,17 +508,23 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
     # grouped by path. Each row's result is independent of its block-mates.
     order = jnp.argsort(_row_class(t, v, cap), stable=True).astype(jnp.int32)
 
-    def body(carry, rows):                                  # rows: i32[blk]
+    blocks = order.reshape(b // blk, blk)
+
+    def block(rows):                                        # rows: i32[blk]
         tb = jax.tree.map(lambda a: a[rows], t)
         pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], pen[1][pen[2][rows]]))
         mb = None if token_mask is None else jax.tree.map(lambda a: a[rows], token_mask)
-        block = lambda: _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)  # noqa: E731
-        # a block of padding rows only (sorted last) is skipped: zeros, which nobody reads
-        skipped = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
-                                       jax.eval_shape(block))
-        return carry, lax.cond(jnp.any(tb.temperature != PAD_TEMPERATURE), block, skipped)
+        return _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)
 
-    _, out = lax.scan(body, None, order.reshape(b // blk, blk))
+    def body(i, out):
+        return jax.tree.map(lambda o, r: lax.dynamic_update_index_in_dim(o, r, i, 0), out, block(blocks[i]))
+
+    # Padding rows sort last, so only the first ceil(real / blk) blocks hold a real row:
+    # the loop stops there. The rest stay zeros, which nobody reads; a wide sampler (one
+    # width for every bucket, engine/runner.py) costs a small step almost nothing more.
+    num_blocks = (jnp.sum(t.temperature != PAD_TEMPERATURE) + blk - 1) // blk
+    out = jax.tree.map(lambda a: jnp.zeros((b // blk,) + a.shape, a.dtype), jax.eval_shape(block, blocks[0]))
+    out = lax.fori_loop(0, num_blocks, body, out)
     inverse = jnp.zeros(b, jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
     return jax.tree.map(lambda a: a.reshape((b,) + a.shape[2:])[inverse], out)
 

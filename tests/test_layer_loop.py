@@ -96,6 +96,8 @@ def test_plan_unrolls_what_it_cannot_loop():
     other = list(_tiny_model(2).layers)
     del other[1].bq                                                                    # layers with other weights
     assert layer_loop.plan(other, _Cfg([None] * 2), lambda w: True) is None
+    from jaxinfer.models.gemma3 import Gemma3DecoderLayer
     from jaxinfer.models.mixtral import MoeDecoderLayer
 
     assert not MoeDecoderLayer.loopable
+    assert not Gemma3DecoderLayer.loopable      # (1 + w) norms: not the unrolled bits in a loop

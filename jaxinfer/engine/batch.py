@@ -85,7 +85,8 @@ class BucketLadders:
     chunks whose pieces (``pieces``) number at most ``num_prefill``. ``score``: every
     bucket with prefill slots also gets its scoring twin (``Bucket.score``).
     ``min_sample_rows``: every bucket's sampler sees at least this many rows
-    (EngineConfig.min_sampler_rows): fewer sampler executables, each step samples the padding.
+    (EngineConfig.min_sampler_rows): fewer sampler executables, each step samples the
+    padding. None: the widest any bucket needs, so one sampler serves every bucket.
     """
 
     decode_sizes: tuple[int, ...]
@@ -93,13 +94,17 @@ class BucketLadders:
     prefill_shapes: tuple[tuple[int, int], ...]
     page_sizes: tuple[int, ...]
     score: bool = False
-    min_sample_rows: int = 1
+    min_sample_rows: int | None = 1
 
     def __post_init__(self) -> None:
         for name in ("decode_sizes", "mixed_decode_sizes", "prefill_shapes", "page_sizes"):
             v = getattr(self, name)
             if not v or list(v) != sorted(set(v)):
                 raise ValueError(f"{name}: must be a non-empty sorted ladder without repeats, got {v!r}")
+        if self.min_sample_rows is None:      # the widest bucket's rows (its num_seqs, rounded up)
+            seqs = max(self.decode_sizes + tuple(d + n for d in self.mixed_decode_sizes
+                                                 for n, _ in self.prefill_shapes))
+            object.__setattr__(self, "min_sample_rows", 1 << (seqs - 1).bit_length())
 
     def all_buckets(self) -> list[Bucket]:
         m = self.min_sample_rows

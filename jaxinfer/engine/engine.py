@@ -195,10 +195,7 @@ class Engine:
                             c.mixed_decode_buckets or auto.mixed_decode_sizes,
                             c.prefill_buckets or auto.prefill_shapes,
                             c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs,
-                            c.min_sampler_rows or 1)
-        if c.min_sampler_rows is None:       # one sampler width: the widest a bucket needs
-            widest = max(b.natural_sample_rows for b in lad.all_buckets())
-            lad = dataclasses.replace(lad, min_sample_rows=widest)
+                            c.min_sampler_rows)
         # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
         # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
         if (c.speculative_method is None and c.max_num_seqs > 1

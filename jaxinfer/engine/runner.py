@@ -299,15 +299,12 @@ class ModelRunner:
         if self.layer_loop:
             body_opts["layer_loop"] = True
         V = self.cfg.vocab_size
+        self.pen = (self._zeros((num_rows, V), bool), self._zeros((num_rows, V), jnp.int32))
         if mesh is None:
             self.kv = kvc.allocate_kv_cache(spec, untouched=True)
-            self.pen = (jnp.zeros((num_rows, V), bool), jnp.zeros((num_rows, V), jnp.int32))
             state_specs = kv_specs = None
         else:
             self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
-            rep = shd.replicated(mesh)
-            zeros = lambda shape, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rep)()  # noqa: E731
-            self.pen = (zeros((num_rows, V), bool), zeros((num_rows, V), jnp.int32))
             state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
             kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
         self.num_rows = num_rows
@@ -422,7 +419,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.forwards and b not in self.executables:
             if b.sample_rows not in self.logits_bufs:
-                self.logits_bufs[b.sample_rows] = self._new_logits_buf(b.sample_rows)
+                self.logits_bufs[b.sample_rows] = self._zeros((b.sample_rows, self.cfg.vocab_size), jnp.float32)
             self.executables[b] = self.lower_forward(b).compile(self.compiler_options)
         if self.samples and b.sample_rows not in self.samplers:
             _, _, pen, _, t = self._abstract_args(b)
@@ -451,12 +448,11 @@ class ModelRunner:
         fwd = _jit(self._forward_fn, static_argnames=("bucket",), donate_argnums=(1, 2, 3))
         return fwd.lower(state, kv, pen, buf, arrays, t, self._lora_arrays(abstract=True), bucket=b)
 
-    def _new_logits_buf(self, rows: int) -> jax.Array:
-        """A zeroed f32[rows, V] logits buffer (replicated over the mesh, if any)."""
-        shape = (rows, self.cfg.vocab_size)
+    def _zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """A zero-filled array: on the default device, or replicated over the mesh."""
         if self.mesh is None:
-            return jnp.zeros(shape, jnp.float32)
-        return _jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=shd.replicated(self.mesh))()
+            return jnp.zeros(shape, dtype)
+        return _jit(lambda: jnp.zeros(shape, dtype), out_shardings=shd.replicated(self.mesh))()
 
     def empty_mask(self, rows: int) -> S.TokenMask:
         """The all-allowed TokenMask of ``rows`` rows, made once per width and kept on the

@@ -137,7 +137,11 @@ def main(argv=None) -> int:
     p.add_argument("--throughput-tokens", type=int, default=128)
     p.add_argument("--sections", default="greedy,throughput",
                    help="comma-separated: greedy (tokens: alone vs batched, vs HF, implementations), "
-                        "throughput (engine float32 and int8 vs HF generate)")
+                        "throughput (engine float32 and int8 vs HF generate; --multi-step adds "
+                        "num_scheduler_steps runs), speculation (batch 1: ngram and self vs plain, "
+                        "tokens and tok/s)")
+    p.add_argument("--multi-step", type=int, default=0,
+                   help="throughput also with num_scheduler_steps N (0: not run)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -164,6 +168,8 @@ def main(argv=None) -> int:
         greedy_section(a, impls, model_dir, prompt_ids, torch_device, common, tokens, report)
     if "throughput" in sections:
         throughput_section(a, impls, model_dir, prompt_ids, torch_device, common, tokens, report)
+    if "speculation" in sections:
+        speculation_section(a, impls, model_dir, prompt_ids, common, report)
     print(json.dumps(report), flush=True)
     if a.out:
         a.out.write_text(json.dumps(report, indent=1))
@@ -214,7 +220,10 @@ def throughput_section(a, impls, model_dir, prompt_ids, torch_device, common, to
     tp_ids = [prompt_ids[i % len(prompt_ids)] + [100 + i] for i in range(n)]   # distinct prompts
     tp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     tp_impl = next((i for i in impls if i in tokens), impls[-1])
-    for label, kw in (("float32", {}), ("int8", {"quantization": "int8"})):
+    runs = [("float32", {}), ("int8", {"quantization": "int8"})]
+    if a.multi_step > 1:
+        runs.append((f"float32_steps{a.multi_step}", {"num_scheduler_steps": a.multi_step}))
+    for label, kw in runs:
         try:
             r = engine_throughput(str(model_dir), tp_impl, tp_ids, tp, {**common, **kw})
         except Exception as e:
@@ -226,6 +235,43 @@ def throughput_section(a, impls, model_dir, prompt_ids, torch_device, common, to
     report["hf_throughput_tok_s"] = round(hf_throughput(model_dir, tp_ids, new, torch_device), 1)
     print(f"HF generate ({torch_device}, float32, batch {n}): {report['hf_throughput_tok_s']} tok/s",
           flush=True)
+
+def speculation_section(a, impls, model_dir, prompt_ids, common, report) -> None:
+    """Batch-1 greedy decode with each speculative method vs without, one engine each: the
+    tokens must be identical (the verification step's rows are the plain step's bits only if
+    the chip's kernels are batch-invariant), and the tok/s says what speculation buys where a
+    step is host-bound. Random weights: acceptance here says nothing about a real model."""
+    from jaxinfer import Engine, SamplingParams
+
+    impl = impls[0]
+    new = a.throughput_tokens
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    ids = prompt_ids[:4]
+    plain_tokens = None
+    for method in ("plain", "ngram", "self"):
+        kw = {} if method == "plain" else {"speculative_method": method}
+        try:
+            eng = Engine(str(model_dir), attention=impl, max_num_seqs=4, **common, **kw)
+            try:
+                eng.generate([ids[0][:3]], greedy)                 # compiles what batch 1 needs
+                t = time.perf_counter()
+                toks = [eng.generate([x], greedy)[0].outputs[0].token_ids for x in ids]
+                s = time.perf_counter() - t
+                stats = eng.stats()
+            finally:
+                eng.shutdown()
+            r = {"tok_s": round(len(ids) * new / s, 1)}
+            if method == "plain":
+                plain_tokens = toks
+            else:
+                r["identical_to_plain"] = sum(x == y for x, y in zip(toks, plain_tokens or []))
+                r["acceptance"] = {k: v for k, v in stats.items() if "spec" in k and not isinstance(v, (dict, list))}
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        report[f"speculation_{impl}_{method}"] = r
+        print(f"engine {impl} batch 1 {method}: {json.dumps(r)}", flush=True)
 
 
 if __name__ == "__main__":

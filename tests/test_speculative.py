@@ -197,18 +197,27 @@ def test_greedy_identical_alone_and_batched(plain, spec):
     _no_leak(spec)
 
 
-def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir):
+def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatch):
     """'self' keeps no KV pool of its own: its multi-step decode runs on the target's pages
-    (spec_draft.DraftProposer.share_kv), so it never catches up on a prompt and compiles no
+    (spec_draft.can_share: it never allocates one), so it never catches up on a prompt and compiles no
     single-step forward; the target's tokens and logprobs stay the plain engine's bits
     (the target writes every position it verifies before reading it). 'draft' (another
-    model) keeps its own pool and catches up."""
+    model) keeps its own pool and catches up. On an accelerator the target's pool takes most
+    of the free memory, so 'self' must never allocate one, not even for a moment (an H200
+    ran out of memory when the draft's pool came first, 2026-11-28)."""
+    from jaxinfer.engine import kv_cache as kvc
+
+    pools = []                          # the layer counts of every pool allocated
+    allocate = kvc.allocate_kv_cache
+    monkeypatch.setattr(kvc, "allocate_kv_cache", lambda spec, *a, **k: pools.append(spec.num_layers) or allocate(spec, *a, **k))
     prompts = _prompts(4, seed=5)
     ps = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     want = plain.generate(prompts, ps)
     for method in ("self", "draft"):
+        pools.clear()
         eng = Engine(loaded=tiny, **KW, **method_options(method, draft_dir))
         d = eng.speculator.proposer
+        assert pools == ([tiny.model.cfg.num_layers] if method == "self" else [tiny.model.cfg.num_layers, 1]), pools
         got = eng.generate(prompts, ps)
         _same(want, got, method)
         assert [g.outputs[0].logprobs for g in got] == [w.outputs[0].logprobs for w in want]
@@ -220,6 +229,22 @@ def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir):
         else:
             assert d.target is None and d.runner.kv is not None and d.num_catch_up_tokens > 0
         _no_leak(eng)
+
+
+def test_a_draft_with_its_own_pool_shares_the_kv_budget(tiny, draft_dir):
+    """A draft with a pool of its own has the target's page count: the KV budget (here
+    kv_cache_memory; on an accelerator a fraction of the free memory) pays for each page
+    in both pools, not the target's alone."""
+    budget = 200_000
+    kw = {**KW, "num_pages": None, "kv_cache_memory": budget}
+    eng = Engine(loaded=tiny, **kw, **method_options("draft", draft_dir))
+    both = eng.kv_spec.bytes_per_page + eng.speculator.proposer.spec.bytes_per_page
+    assert eng.kv_spec.num_pages == budget // both
+    assert eng.speculator.proposer.spec.num_pages == eng.kv_spec.num_pages
+    shared = Engine(loaded=tiny, **kw, **method_options("self", draft_dir))       # no pool of its own
+    assert shared.kv_spec.num_pages == budget // shared.kv_spec.bytes_per_page
+    for e in (eng, shared):
+        e.shutdown()
 
 
 def test_stop_and_max_tokens_inside_a_run(plain, spec):

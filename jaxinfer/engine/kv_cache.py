@@ -135,6 +135,17 @@ class KVCacheSpec:
                            self.dtype)
 
 
+def abstract_kv_cache(spec: KVCacheSpec) -> KVCache:
+    """The pool's shapes and dtypes on one device (what ``allocate_kv_cache`` would make),
+    allocating nothing."""
+    shape = (spec.num_pages, *spec.page_shape)
+    if spec.quantized:
+        pages = QuantizedPages(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    else:
+        pages = jax.ShapeDtypeStruct(shape, jnp.dtype(spec.dtype))
+    return [(pages, pages) for _ in range(spec.num_layers)]
+
+
 def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = False) -> KVCache:
     """Zero-filled pages: a list over layers of (k_pages, v_pages). With a ``mesh`` the
     pages are split by KV head over its model axis; each device allocates its part.

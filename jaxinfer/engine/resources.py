@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.memory import available_ram, total_ram
@@ -40,17 +40,19 @@ def compiler_options(model: Any = None) -> dict | None:
 
 
 def kv_cache_spec(config: EngineConfig, mc: ModelConfig, num_kv_heads: int, model_dtype: Any,
-                  max_model_len: int) -> Any:
+                  max_model_len: int, also: Callable[[Any], Any] | None = None) -> Any:
     """The KV pool's layout: pages in the model's dtype (or int8 values with per-token
     scales), as many as ``config.num_pages`` or the KV budget allows. ``num_kv_heads``: the
-    running model's (tensor parallelism may repeat KV heads)."""
+    running model's (tensor parallelism may repeat KV heads). ``also``: the layout of a
+    second pool with the same page count (a draft model's own, engine/spec_draft.py) from
+    this one; the budget pays for a page in both."""
     from jaxinfer.engine import kv_cache as kvc
 
     dtype = "int8" if config.kv_cache_dtype == "int8" else model_dtype
     probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, num_kv_heads, mc.head_dim, dtype)
+    page_bytes = probe.bytes_per_page + (also(probe).bytes_per_page if also else 0)
     need = config.max_num_seqs * -(-max_model_len // config.page_size) + 1   # + the padding page
-    num_pages = config.num_pages or max(2, kv_budget(config, need * probe.bytes_per_page)
-                                        // probe.bytes_per_page)
+    num_pages = config.num_pages or max(2, kv_budget(config, need * page_bytes) // page_bytes)
     return kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, num_kv_heads, mc.head_dim, dtype)
 
 

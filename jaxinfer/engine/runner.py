@@ -256,7 +256,9 @@ class ModelRunner:
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
                  publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
                  offload_layers: tuple[int, ...] = (), samples: bool = True,
-                 multi_decode_seqs: int | None = None, layer_loop: bool = False):
+                 multi_decode_seqs: int | None = None, layer_loop: bool = False, kv_pool: bool = True):
+        """``kv_pool`` False: no KV pool of its own (a draft that steps on the target's
+        pages, engine/spec_draft.py, sets ``kv`` before each call)."""
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
@@ -301,7 +303,7 @@ class ModelRunner:
         V = self.cfg.vocab_size
         self.pen = (self._zeros((num_rows, V), bool), self._zeros((num_rows, V), jnp.int32))
         if mesh is None:
-            self.kv = kvc.allocate_kv_cache(spec, untouched=True)
+            self.kv = kvc.allocate_kv_cache(spec, untouched=True) if kv_pool else None
             state_specs = kv_specs = None
         else:
             self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
@@ -382,7 +384,9 @@ class ModelRunner:
         if self._kv_pen_abstract is None:
             # Once, from the arrays as allocated: a background compile must not read
             # self.kv / self.pen while a step is donating them.
-            self._kv_pen_abstract = (jax.tree.map(self._abstract, self.kv), jax.tree.map(self._abstract, self.pen))
+            # (no pool of its own: the layout of the pages it is lent, one device)
+            kv = kvc.abstract_kv_cache(self.spec) if self.kv is None else self.kv
+            self._kv_pen_abstract = (jax.tree.map(self._abstract, kv), jax.tree.map(self._abstract, self.pen))
         kv, pen = self._kv_pen_abstract
         return [self._abstract(x) for x in self.state_leaves], kv, pen, arrays, t
 

@@ -12,8 +12,8 @@ page ids, page table and slot mapping index the draft's pool too, and speculativ
 rollback (``BlockManager.trim``) frees a rejected page in both at once. No second block
 manager, no page copies between the pools.
 
-``self`` shares the target's KV pool (``share_kv``): the draft is the target's own weights
-(quantized, maybe fewer layers), so the target's exact K/V of every computed position is
+``self`` shares the target's KV pool (``can_share``; it then allocates no pool at all): the
+draft is the target's own weights (quantized, maybe fewer layers), so the target's exact K/V of every computed position is
 context the draft can read as its own, and the draft needs no pool and no catch-up at all.
 Its multi-step decode writes its approximate K/V only at positions the target has not
 computed yet (num_computed_tokens and after), and the verification step that follows
@@ -136,17 +136,38 @@ def _ceil_in(ladder: tuple[int, ...], n: int) -> int:
     return next((v for v in ladder if v >= n), ladder[-1])
 
 
+def draft_kv_spec(model: nnx.Module, target_spec: kvc.KVCacheSpec) -> kvc.KVCacheSpec:
+    """The draft's KV layout: the target's page count and size (one block manager serves
+    both), the draft's layers and heads; quantized pages where the target's are."""
+    cfg = model.cfg
+    dtype = target_spec.dtype if target_spec.quantized else model.dtype
+    return kvc.KVCacheSpec(cfg.num_layers, target_spec.num_pages, target_spec.page_size,
+                           cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def can_share(spec: kvc.KVCacheSpec, target: Any) -> bool:
+    """Whether a draft of KV layout ``spec`` may use the KV pool of ``target`` (the target's
+    ModelRunner): one device, one process, and page arrays equal to the target's first
+    layers' (the draft's layers are the target's first ones)."""
+    n = spec.num_layers
+    if target.mesh is not None or target.publisher is not None or n > len(target.kv):
+        return False
+    want = kvc.abstract_kv_cache(dataclasses.replace(spec, num_layers=1))[0]
+    shape = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    return all(shape(pair) == shape(want) for pair in target.kv[:n])
+
+
 class DraftProposer:
     """Proposals from a draft model: ``propose(sched, wanted, ensure)`` -> {seq_id: tokens}."""
 
     def __init__(self, model: nnx.Module, target_spec: kvc.KVCacheSpec, ladders: BucketLadders,
-                 config: EngineConfig, attention: str = "auto"):
+                 config: EngineConfig, attention: str = "auto", share_with: Any = None):
+        """``share_with``: the target's ModelRunner, whose KV pool the draft uses when
+        ``can_share`` says it may; the draft then never allocates a pool of its own (on an
+        accelerator the target's pool already holds most of the free memory)."""
         from jaxinfer.engine.runner import ModelRunner
 
-        cfg = model.cfg
-        dtype = target_spec.dtype if target_spec.quantized else model.dtype
-        self.spec = kvc.KVCacheSpec(cfg.num_layers, target_spec.num_pages, target_spec.page_size,
-                                    cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.spec = draft_kv_spec(model, target_spec)
         self.ladders = ladders
         # Decode buckets up to the most sequences that speculate at once serve the proposing
         # multi-step decode and short catch-ups (consecutive slots, as verification uses);
@@ -154,9 +175,11 @@ class DraftProposer:
         self.max_decode = _ceil_in(ladders.decode_sizes,
                                    min(config.speculative_disable_by_batch_size, config.max_num_seqs))
         self.chunk = max(n * c for n, c in ladders.prefill_shapes)
+        share = share_with is not None and can_share(self.spec, share_with)
         self.runner = ModelRunner(model, self.spec, 1, attention, config.batch_invariant,
                                   num_scheduler_steps=max(2, config.num_speculative_tokens), samples=False,
-                                  multi_decode_seqs=self.max_decode, layer_loop=config.layer_loop)
+                                  multi_decode_seqs=self.max_decode, layer_loop=config.layer_loop,
+                                  kv_pool=not share)
         self.buckets: list[Bucket] = [
             b for b in ladders.all_buckets()
             if (b.num_prefill == 0 and b.num_decode <= self.max_decode)
@@ -164,21 +187,10 @@ class DraftProposer:
         self._seen: dict[int, tuple[int, int]] = {}     # seq_id -> (num_preemptions, positions the draft saw)
         self.num_catch_up_tokens = 0
         self.target: Any = None     # the target's ModelRunner once the draft shares its KV pool
-
-    def share_kv(self, target: Any) -> bool:
-        """Use the KV pool of ``target`` (the target's ModelRunner: one device, one process)
-        instead of a pool of the draft's own, when their page arrays match layer by layer
-        (the draft's layers are the target's first ones). Frees the draft's pool, drops its
-        catch-up buckets and single-step forwards. Returns whether it shares."""
-        n = self.spec.num_layers
-        same = lambda a, b: jax.tree.map(lambda x: (x.shape, x.dtype), a) == jax.tree.map(  # noqa: E731
-            lambda x: (x.shape, x.dtype), b)
-        if (target.mesh is not None or target.publisher is not None or n > len(target.kv)
-                or not same(list(target.kv[:n]), list(self.runner.kv))):
-            return False
-        self.target, self.runner.kv, self.runner.forwards = target, None, False
-        self.buckets = [b for b in self.buckets if b.num_prefill == 0]
-        return True
+        if share:
+            # Only the multi-step decode runs: no catch-up buckets, no single-step forwards.
+            self.target, self.runner.forwards = share_with, False
+            self.buckets = [b for b in self.buckets if b.num_prefill == 0]
 
     def propose(self, sched: Scheduler, wanted: list[tuple[Sequence, int]],
                 ensure: Callable[[Any, Bucket], None] | None = None) -> dict[int, list[int]]:

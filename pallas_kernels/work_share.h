@@ -16,7 +16,7 @@
 #include <memory>
 #include <thread>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_lite.h"
 
 namespace jaxinfer_cpu {
 
@@ -44,7 +44,7 @@ struct Work {
 
 // Runs work->run(0 .. units-1) on the caller and, when the call is worth `inline_macs`
 // or more, on pool threads too (a helper costs microseconds to wake).
-inline void share(xla::ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs,
+inline void share(jaxinfer_ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t macs,
                   int64_t inline_macs) {
   int64_t helpers = macs < inline_macs ? 0 : std::max<int64_t>(0, pool.num_threads() - 1);
   helpers = std::min(helpers, work->units - 1);

@@ -7,11 +7,10 @@
 // without touching them, so a page of the pool becomes resident only when a step first
 // writes KV into it. The content is unspecified (zeros, or whatever a reused heap block
 // held): the paged cache never reads a slot it has not written (engine/kv_cache.py).
-#include "xla/ffi/api/ffi.h"
+#include "ffi_lite.h"
 
-namespace ffi = xla::ffi;
-
-static ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferUninitialized, Uninitialized,
-                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
+// Nothing to decode but the count: one result, written by nobody.
+JAXINFER_FFI_HANDLER(JaxinferUninitialized, f) {
+  if (!f.ok(0, 1)) return f.error();
+  return jaxinfer_ffi::Error::Success();
+}

@@ -41,10 +41,10 @@
 #endif
 #include <immintrin.h>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_lite.h"
 #include "work_share.h"
 
-namespace ffi = xla::ffi;
+namespace ffi = jaxinfer_ffi;
 
 namespace {
 
@@ -347,7 +347,7 @@ ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> s
     auto res = outs.get<ffi::Buffer<ffi::F32>>(side * L + l);
     if (!in.has_value() || !res.has_value())
       return ffi::Error::InvalidArgument("kv_write_layer: pages must be float32");
-    float* dst = (*res)->typed_data();
+    float* dst = res->typed_data();
     if (dst != in->typed_data())
       return ffi::Error::Internal("kv_write_layer: the pages are not aliased to the results (XLA copied them)");
     const auto pd = in->dimensions();
@@ -367,45 +367,36 @@ ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> s
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, AttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_decode")
-                                  .Attr<int64_t>("prefill_chunk")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferPagedAttention, f) {
+  auto q = f.arg<ffi::F32>(0), k = f.arg<ffi::F32>(1), v = f.arg<ffi::F32>(2);
+  auto kv_lens = f.arg<ffi::S32>(3), q_lens = f.arg<ffi::S32>(4), page_table = f.arg<ffi::S32>(5);
+  auto alibi = f.arg<ffi::F32>(6);
+  auto out = f.ret<ffi::F32>(0);
+  const int64_t num_decode = f.attr_i64("num_decode"), chunk = f.attr_i64("prefill_chunk");
+  const int64_t window = f.attr_i64("sliding_window");
+  const float sm_scale = f.attr_f32("sm_scale"), soft_cap = f.attr_f32("soft_cap");
+  if (!f.ok(7, 1)) return f.error();
+  return AttentionImpl(f.pool(), q, k, v, kv_lens, q_lens, page_table, alibi, num_decode, chunk, sm_scale,
+                       window, soft_cap, out);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionLayer, AttentionLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Attr<int64_t>("num_decode")
-                                  .Attr<int64_t>("prefill_chunk")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferPagedAttentionLayer, f) {
+  auto q = f.arg<ffi::F32>(0);
+  auto layer = f.arg<ffi::S32>(1), kv_lens = f.arg<ffi::S32>(2), q_lens = f.arg<ffi::S32>(3);
+  auto page_table = f.arg<ffi::S32>(4);
+  auto alibi = f.arg<ffi::F32>(5);
+  auto out = f.ret<ffi::F32>(0);
+  const int64_t num_decode = f.attr_i64("num_decode"), chunk = f.attr_i64("prefill_chunk");
+  const int64_t window = f.attr_i64("sliding_window");
+  const float sm_scale = f.attr_f32("sm_scale"), soft_cap = f.attr_f32("soft_cap");
+  if (!f.ok(6, 1, /*more_args=*/true)) return f.error();
+  return AttentionLayerImpl(f.pool(), q, layer, kv_lens, q_lens, page_table, alibi, f.args_from(6), num_decode,
+                            chunk, sm_scale, window, soft_cap, out);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKvWriteLayer, KvWriteLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+JAXINFER_FFI_HANDLER(JaxinferKvWriteLayer, f) {
+  auto layer = f.arg<ffi::S32>(0), slots = f.arg<ffi::S32>(1);
+  auto k_new = f.arg<ffi::F32>(2), v_new = f.arg<ffi::F32>(3);
+  if (!f.ok(4, 0, /*more_args=*/true, /*more_rets=*/true)) return f.error();
+  return KvWriteLayerImpl(layer, slots, k_new, v_new, f.args_from(4), f.rets_from(0));
+}

@@ -55,10 +55,10 @@
 #endif
 #include <immintrin.h>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_lite.h"
 #include "work_share.h"
 
-namespace ffi = xla::ffi;
+namespace ffi = jaxinfer_ffi;
 
 namespace {
 
@@ -660,34 +660,38 @@ ffi::Error RowSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferF32Matmul, f) {
+  auto x = f.arg<ffi::F32>(0), w = f.arg<ffi::F32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1)) return f.error();
+  return F32MatmulImpl(f.pool(), x, w, y);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulPanels, F32MatmulPanelsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferF32MatmulPanels, f) {
+  auto x = f.arg<ffi::F32>(0), w = f.arg<ffi::F32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1)) return f.error();
+  return F32MatmulPanelsImpl(f.pool(), x, w, y);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32MatmulLayer, F32MatmulLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferF32MatmulLayer, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto layer = f.arg<ffi::S32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
+  return F32MatmulLayerImpl(f.pool(), x, layer, f.args_from(2), y);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRowSum, RowSumImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferRowSum, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(1, 1)) return f.error();
+  return RowSumImpl<false>(x, y);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRowSumSquares, RowSumImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferRowSumSquares, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(1, 1)) return f.error();
+  return RowSumImpl<true>(x, y);
+}

@@ -46,10 +46,10 @@
 #endif
 #include <immintrin.h>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_lite.h"
 #include "work_share.h"
 
-namespace ffi = xla::ffi;
+namespace ffi = jaxinfer_ffi;
 
 namespace {
 
@@ -307,18 +307,19 @@ ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferInt8Matmul, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto q = f.any_arg(1);
+  auto scale = f.arg<ffi::F32>(2);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(3, 1)) return f.error();
+  return Int8MatmulImpl(f.pool(), x, q, scale, y);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MatmulLayer, Int8MatmulLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXINFER_FFI_HANDLER(JaxinferInt8MatmulLayer, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto layer = f.arg<ffi::S32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
+  return Int8MatmulLayerImpl(f.pool(), x, layer, f.args_from(2), y);
+}

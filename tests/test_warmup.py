@@ -145,3 +145,47 @@ def test_health_reports_warming_then_ready(status, body):
     r = TestClient(build_app(engine)).get("/health")
     assert r.status_code == 200 and r.json() == body
 
+
+
+def test_first_samplers_compile_while_the_weights_load(tmp_path, monkeypatch):
+    """An engine that loads its own checkpoint starts compiling the first buckets' sampler
+    (the slowest executable) as soon as the model's config is known, before the weights
+    are read (warmup.early_samplers), and its runner uses that executable: no second
+    sampler compile, and the tokens of an engine that compiled everything itself."""
+    from jaxinfer.engine import runner as runner_mod
+    from jaxinfer.loading import load_model, model as model_mod
+
+    from test_speculative import save_hf_dir
+
+    loaded = tiny_loaded("llama_8q4kv")
+    save_hf_dir(loaded.model, load_model(None).tokenizer, tmp_path)
+    events: list[tuple[str, str]] = []
+    compile_sampler, build_model = runner_mod.compile_sampler, model_mod.build_model
+
+    def spy_compile(*a):
+        import threading
+        events.append(("sampler", threading.current_thread().name))
+        return compile_sampler(*a)
+
+    def spy_build(*a, **k):
+        out = build_model(*a, **k)
+        events.append(("weights", ""))
+        return out
+
+    monkeypatch.setattr(runner_mod, "compile_sampler", spy_compile)
+    monkeypatch.setattr(model_mod, "build_model", spy_build)
+    import jaxinfer.loading as loading_pkg
+    monkeypatch.setattr(loading_pkg, "build_model", spy_build)
+    kw = dict(KW, warmup="full", weight_cache_dir=str(tmp_path / "cache"))
+    eng = Engine(str(tmp_path), progress=False, **kw)
+    widths = {b.sample_rows for b in priority_order(eng.ladders)[0]}
+    sampler_events = [e for e in events if e[0] == "sampler"]
+    assert events[0][0] == "sampler" and ("weights", "") in events, events
+    assert len(sampler_events) == len({b.sample_rows for b in eng.ladders.all_buckets()}), events
+    assert all(name.startswith("jaxinfer-sampler-compile") for _, name in sampler_events), events
+    assert widths <= set(eng.replicas[0].runner.samplers)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(1, 30))]
+    ref = Engine(loaded=loaded, progress=False, **{**kw, "weight_cache_dir": None})
+    assert [o.outputs[0].token_ids for o in eng.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in ref.generate(prompts, params)]

@@ -40,12 +40,8 @@ class _FakeRunner:
     def is_compiled(self, b) -> bool:
         return b in self.compiled
 
-    def compile_bucket(self, b, forward_only: bool = False) -> None:
-        if not forward_only:
-            self.compiled.add(b)
-
-    def start_sampler_compiles(self, buckets, started=None) -> None:
-        pass
+    def compile_bucket(self, b) -> None:
+        self.compiled.add(b)
 
 
 def test_warmup_trims_the_heap_after_every_compile(monkeypatch):
@@ -56,8 +52,7 @@ def test_warmup_trims_the_heap_after_every_compile(monkeypatch):
     c = warmup.BucketCompiler([runner], lad)
     c.compile_first()
     c.compile_rest()
-    n, first = len(lad.all_buckets()), len(warmup.priority_order(lad)[0])
+    n = len(lad.all_buckets())
     assert c.is_warm and len(runner.compiled) == n
-    # after every compile: the first buckets' forwards alone (their samplers compile beside
-    # them), then once per bucket, right after it compiled
-    assert calls == [0] * first + list(range(1, n + 1))
+    # once per bucket, right after it compiled
+    assert calls == list(range(1, n + 1))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import DRAFT_METHODS, EngineConfig, ModelConfig, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.config import DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
@@ -25,11 +25,10 @@ from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.memory import release_host_memory
 from jaxinfer.engine import search
 from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
-from jaxinfer.engine.replica import Replica, make_replica, penalty_rows
+from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
 from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
-from jaxinfer.engine.warmup import early_samplers
 
 log = logging.getLogger("jaxinfer")
 
@@ -50,36 +49,6 @@ def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
         return list(prompts)
     raise ValueError(f"prompts: expected a string, token ids, chat messages or a list of those, "
                      f"got {type(prompts).__name__}")
-
-
-def fit_max_model_len(c: EngineConfig, mc: ModelConfig) -> int:
-    """The context the engine serves: EngineConfig.max_model_len, else the model's (at most
-    4096), never past the model's."""
-    return min(c.max_model_len or min(mc.max_position_embeddings, 4096), mc.max_position_embeddings)
-
-
-def engine_ladders(c: EngineConfig, max_model_len: int) -> BucketLadders:
-    """The engine's bucket ladders: the configured ones, else the defaults for this
-    configuration (with speculation's verification sizes and pipeline micro-batches)."""
-    auto = default_ladders(c.max_num_seqs, max_model_len, c.page_size, c.max_num_batched_tokens)
-    if c.speculative_method is not None:
-        auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
-    if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
-        from jaxinfer.engine.pipeline import pipeline_ladders
-        auto = pipeline_ladders(auto, c.pipeline_parallel_size)
-    lad = BucketLadders(c.decode_buckets or auto.decode_sizes,
-                        c.mixed_decode_buckets or auto.mixed_decode_sizes,
-                        c.prefill_buckets or auto.prefill_shapes,
-                        c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs,
-                        c.min_sampler_rows)
-    # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
-    # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
-    if (c.speculative_method is None and c.max_num_seqs > 1
-            and lad.mixed_decode_sizes[-1] < c.max_num_seqs - 1):
-        raise ValueError(f"mixed_decode_buckets: the largest ({lad.mixed_decode_sizes[-1]}) must hold "
-                         f"the decodes that can run beside a prefill chunk (max_num_seqs - 1 = "
-                         f"{c.max_num_seqs - 1})")
-    return lad
 
 
 class Engine:
@@ -106,22 +75,15 @@ class Engine:
                 loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
             float_target = loaded.model
         # the float model is not kept: only the quantized / kernel-laid-out one
-        early: dict = {}
-
-        def on_config(mc: ModelConfig) -> None:
-            # the first buckets' samplers compile while the weights load (warmup.py)
-            if R.num_processes() == 1:
-                early.update(early_samplers(engine_ladders(config, fit_max_model_len(config, mc)), mc.vocab_size,
-                                            penalty_rows(config)))
-        self.loaded, models = R.engine_models(config, model, loaded, meshes, on_config)
-        self._early_samplers = early
+        self.loaded, models = R.engine_models(config, model, loaded, meshes)
         del loaded
         release_host_memory()
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         from jaxinfer.loading.default import model_name
         self.model_name = model_name(model, self.loaded.source)
-        self.max_model_len = fit_max_model_len(config, mc)
+        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
+                                 mc.max_position_embeddings)
         from jaxinfer.engine import spec_draft
         from jaxinfer.models.base import fit_context
 
@@ -227,7 +189,26 @@ class Engine:
 
     # ---- start-up -----------------------------------------------------------------
     def _ladders(self) -> BucketLadders:
-        return engine_ladders(self.config, self.max_model_len)
+        c = self.config
+        auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
+        if c.speculative_method is not None:
+            auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
+        if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
+            from jaxinfer.engine.pipeline import pipeline_ladders
+            auto = pipeline_ladders(auto, c.pipeline_parallel_size)
+        lad = BucketLadders(c.decode_buckets or auto.decode_sizes,
+                            c.mixed_decode_buckets or auto.mixed_decode_sizes,
+                            c.prefill_buckets or auto.prefill_shapes,
+                            c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs,
+                            c.min_sampler_rows)
+        # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
+        # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
+        if (c.speculative_method is None and c.max_num_seqs > 1
+                and lad.mixed_decode_sizes[-1] < c.max_num_seqs - 1):
+            raise ValueError(f"mixed_decode_buckets: the largest ({lad.mixed_decode_sizes[-1]}) must hold "
+                             f"the decodes that can run beside a prefill chunk (max_num_seqs - 1 = "
+                             f"{c.max_num_seqs - 1})")
+        return lad
 
     def _warmup(self, progress: bool) -> float:
         """Compile the buckets a first request needs, then the rest: here, or in a
@@ -238,9 +219,7 @@ class Engine:
 
         draft = getattr(self.speculator, "proposer", None)
         self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders,
-                                       [(draft.runner, draft.buckets)] if hasattr(draft, "runner") else (),
-                                       self._early_samplers)
-        self._early_samplers = {}
+                                       [(draft.runner, draft.buckets)] if hasattr(draft, "runner") else ())
         # followers replay any bucket
         mode = (self.config.warmup or default_mode()) if R.num_processes() == 1 else "full"
         if progress:

@@ -57,11 +57,6 @@ class Replica:
             self.release_row(seq)
 
 
-def penalty_rows(config: Any) -> int:
-    """Rows of a runner's penalty state: one per sequence slot, and row 0 for padding."""
-    return config.max_num_seqs + 1
-
-
 def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, num_host_pages: int,
                  model: Any, mesh: Any, attention: str, publisher: Any, model_config: Any = None,
                  loras: Any = None) -> Replica:
@@ -82,7 +77,7 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
     if loras is not None:
         from jaxinfer.engine.lora_device import LoraSlots
         lora = LoraSlots(model_config, model.cfg, c.max_loras, c.max_lora_rank, model.dtype, mesh)
-    runner = ModelRunner(model, kv_spec, penalty_rows(c), attention, c.batch_invariant,
+    runner = ModelRunner(model, kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                          mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora,
                          offload_layers=offload_layers, layer_loop=c.layer_loop)
     # beam search forks copy pages on the device: that copy is always there

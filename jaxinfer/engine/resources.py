@@ -102,20 +102,19 @@ def resolve_auto_tp(config: EngineConfig, model_config: Any, model: str | None) 
     return dataclasses.replace(config, tensor_parallel_size=tp)
 
 
-def engine_models(config: EngineConfig, model: str | None, loaded: Any, meshes: list[Any],
-                  on_config: Callable[[ModelConfig], None] | None = None) -> tuple[Any, list[Any]]:
+def engine_models(config: EngineConfig, model: str | None, loaded: Any, meshes: list[Any]
+                  ) -> tuple[Any, list[Any]]:
     """(the LoadedModel the engine keeps, each replica's model), the models as the engine
     runs them (quantized, or laid out for the CPU kernels). A single-device model the
     engine loads itself comes through the weight cache and is prepared in place
-    (loading/prepared.py; ``on_config`` is called once the model's config is known, before
-    its weights are read); a caller's ``loaded`` is left as it was."""
+    (loading/prepared.py); a caller's ``loaded`` is left as it was."""
     from jaxinfer.loading import load_model
     from jaxinfer.quantization import prepare_for_engine, quantize_model
 
     if loaded is None and not meshes:
         from jaxinfer.loading.prepared import load_prepared
 
-        loaded = load_prepared(model, config.dtype, config.quantization, config.weight_cache_dir, on_config)
+        loaded = load_prepared(model, config.dtype, config.quantization, config.weight_cache_dir)
         return loaded, [loaded.model]
     if loaded is None:
         loaded = load_model(model, config.dtype, meshes[0] if meshes else None)

@@ -17,7 +17,6 @@ is impossible by construction for a known bucket, and an unknown bucket raises.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -237,38 +236,6 @@ def sample_fn(logits, pen, rows, t: S.SamplingTensors, mask: S.TokenMask):
     return S.pack(out)
 
 
-def sampler_arguments(rows: int, vocab: int, penalty_rows: int) -> tuple:
-    """sample_fn's abstract arguments on one device: logits f32[rows, V], the penalty state
-    (bool, i32 [penalty_rows, V]), each row's penalty row, the sampling tensors and the
-    TokenMask of ``rows`` rows. What the runner compiles its sampler from, and the early
-    compile (engine/warmup.py early_samplers) too, so both make the same executable."""
-    from jaxinfer.engine.guided import empty_mask
-
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-    pen = (jax.ShapeDtypeStruct((penalty_rows, vocab), np.dtype(bool)),
-           jax.ShapeDtypeStruct((penalty_rows, vocab), np.dtype(np.int32)))
-    t = jax.tree.map(spec, S.sampling_tensors_from_params([], [], [], rows))
-    m = empty_mask(rows, vocab)
-    mask = jax.tree.map(spec, S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active))
-    return (jax.ShapeDtypeStruct((rows, vocab), np.dtype(np.float32)), pen,
-            jax.ShapeDtypeStruct((rows,), np.dtype(np.int32)), t, mask)
-
-
-def compile_sampler(rows: int, vocab: int, penalty_rows: int) -> Any:
-    """The sampler executable of width ``rows`` (one device)."""
-    return _jit(sample_fn).lower(*sampler_arguments(rows, vocab, penalty_rows)).compile(
-        resources.compiler_options())
-
-
-def in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """``fn(*args)`` in a new thread (XLA releases the GIL while it compiles)."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-sampler-compile")
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)
-
-
 def _sample_rows(batch: StepBatch) -> np.ndarray:
     """i32[S']: each sampler row's penalty-state row (padding rows -> row 0, the sink)."""
     rows = np.zeros(batch.bucket.sample_rows, np.int32)
@@ -373,7 +340,6 @@ class ModelRunner:
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
-        self._sampler_compiles: dict[int, concurrent.futures.Future] = {}     # width -> compiling
         # f32[S', V] per sampler width S': the forwards' logits, donated and rewritten in place
         self.logits_bufs: dict[int, jax.Array] = {}
         self._empty_masks: dict[int, S.TokenMask] = {}
@@ -450,22 +416,24 @@ class ModelRunner:
         return self.num_scheduler_steps > 1 and b.num_prefill == 0 and (
             self.multi_decode_seqs is None or b.num_decode <= self.multi_decode_seqs)
 
-    def compile_bucket(self, b: Bucket, forward_only: bool = False) -> None:
+    def compile_bucket(self, b: Bucket) -> None:
         """Compile what a step in bucket ``b`` needs and is not there yet: its forward, the
         sampler of its width, and (multi-step engines, decode-only buckets) its multi-step
-        executable (``forward_only``: the forward alone, for now). Callers serialize calls
-        (engine/warmup.py holds one lock)."""
+        executable. Callers serialize calls (engine/warmup.py holds one lock)."""
         t0 = time.perf_counter()
         if self.forwards and b not in self.executables:
             if b.sample_rows not in self.logits_bufs:
                 self.logits_bufs[b.sample_rows] = self._zeros((b.sample_rows, self.cfg.vocab_size), jnp.float32)
             self.executables[b] = self.lower_forward(b).compile(self.compiler_options)
-        if forward_only:
-            self.compile_seconds += time.perf_counter() - t0
-            return
         if self.samples and b.sample_rows not in self.samplers:
-            started = self._sampler_compiles.pop(b.sample_rows, None)
-            self.samplers[b.sample_rows] = started.result() if started else self._compile_sampler(b)
+            _, _, pen, _, t = self._abstract_args(b)
+            one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
+            pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
+            logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
+            rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
+            mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
+            self.samplers[b.sample_rows] = _jit(sample_fn).lower(logits, pen, rows, t, mask).compile(
+                self.sampler_compiler_options)
         if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)
@@ -475,36 +443,6 @@ class ModelRunner:
                 state, kv, pen, arrays, t, scalar, rows, self._lora_arrays(abstract=True), bucket=b,
                 max_steps=self.num_scheduler_steps).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
-
-    def _compile_sampler(self, b: Bucket) -> Any:
-        """The sampler executable of bucket ``b``'s width (one serves every bucket of it)."""
-        if self.mesh is None:
-            return compile_sampler(b.sample_rows, self.cfg.vocab_size, self.pen[0].shape[0])
-        _, _, pen, _, t = self._abstract_args(b)
-        one = jax.sharding.SingleDeviceSharding(self.sample_device)
-        pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
-        logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
-        rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
-        mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
-        return _jit(sample_fn).lower(logits, pen, rows, t, mask).compile(self.sampler_compiler_options)
-
-    def start_sampler_compiles(self, buckets: list[Bucket], started: dict | None = None) -> None:
-        """Compile the samplers of ``buckets``' widths in a background thread, or take the
-        ones ``started`` already compiles for this runner's vocabulary and penalty rows
-        ({(width, vocab, penalty_rows): future of compile_sampler}, engine/warmup.py
-        early_samplers: begun while the model loaded); compile_bucket waits for them. Why:
-        the sampler is the slowest executable to compile (~6 s wall, ~9.5 CPU-s on a 2-core
-        Zen 3: most of what a first request waits for on a fresh machine)."""
-        if not self.samples:
-            return
-        if self.mesh is None:
-            mine = (self.cfg.vocab_size, self.pen[0].shape[0])
-            self._sampler_compiles.update({w: f for (w, *key), f in (started or {}).items()
-                                           if tuple(key) == mine and w not in self.samplers})
-        for b in buckets:
-            if b.sample_rows not in self.samplers and b.sample_rows not in self._sampler_compiles:
-                self.empty_mask(b.sample_rows)          # made here: the thread only reads it
-                self._sampler_compiles[b.sample_rows] = in_background(self._compile_sampler, b)
 
     def lower_forward(self, b: Bucket) -> Any:
         """Bucket ``b``'s forward, lowered (jax.stages.Lowered) from abstract arguments."""

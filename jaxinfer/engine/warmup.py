@@ -61,28 +61,14 @@ def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
     return first, sorted((b for b in every if b not in first), key=lambda b: (b.score, b))
 
 
-def early_samplers(ladders: BucketLadders, vocab: int, penalty_rows: int) -> dict[tuple[int, int, int], Any]:
-    """Begin compiling, each in a background thread, the samplers the first buckets
-    (priority_order) need, as soon as the model's config is known: while the weights load.
-    {(width, vocab, penalty_rows): future of runner.compile_sampler}; the runner takes the
-    ones that match it (ModelRunner.start_sampler_compiles)."""
-    from jaxinfer.engine.runner import compile_sampler, in_background
-
-    first, _ = priority_order(ladders)
-    return {(w, vocab, penalty_rows): in_background(compile_sampler, w, vocab, penalty_rows)
-            for w in sorted({b.sample_rows for b in first})}
-
-
 class BucketCompiler:
     """Compiles the ladder's buckets on each runner (one per data-parallel replica), and
     ``extra`` (runner, buckets) pairs after them (a draft model's runner,
     engine/spec_draft.py: the subset of the ladder its steps use)."""
 
     def __init__(self, runners: list[Any], ladders: BucketLadders,
-                 extra: Sequence[tuple[Any, Sequence[Bucket]]] = (), started: dict | None = None):
-        """``started``: early_samplers' futures."""
+                 extra: Sequence[tuple[Any, Sequence[Bucket]]] = ()):
         first, rest = priority_order(ladders)
-        self.started = started or {}
         # (runner, buckets a first request needs, the others)
         self.jobs = [(r, first, rest) for r in runners] + [(r, [], list(bs)) for r, bs in extra]
         self.first_total = sum(len(f) for _, f, _ in self.jobs)
@@ -107,12 +93,12 @@ class BucketCompiler:
     def status(self) -> dict[str, Any]:
         return {"warm": self.is_warm, "buckets_compiled": self.num_compiled, "buckets_total": self.total}
 
-    def _compile(self, runner: Any, b: Bucket, **kw: Any) -> None:
+    def _compile(self, runner: Any, b: Bucket) -> None:
         with self._lock:
             if runner.is_compiled(b):
                 return
             t0 = time.perf_counter()
-            runner.compile_bucket(b, **kw)
+            runner.compile_bucket(b)
             # the compiler's freed scratch back to the system (memory.trim_heap: why)
             trim_heap()
             self.seconds += time.perf_counter() - t0
@@ -120,14 +106,10 @@ class BucketCompiler:
             self.progress(self.num_compiled, self.total)
 
     def compile_first(self) -> None:
-        """The buckets a first request needs, now (in the caller's thread; their samplers
-        in another, beside the forwards)."""
+        """The buckets a first request needs, now (in the caller's thread)."""
         for r, first, _ in self.jobs:
-            r.start_sampler_compiles(first, self.started)
-        for forward_only in (True, False):     # the forwards while the samplers compile
-            for r, first, _ in self.jobs:
-                for b in first:
-                    self._compile(r, b, forward_only=forward_only)
+            for b in first:
+                self._compile(r, b)
 
     def compile_rest(self) -> None:
         """Every other bucket, in the caller's thread; then the engine is warm."""

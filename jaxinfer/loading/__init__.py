@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -14,35 +14,30 @@ from jaxinfer.loading.model import (DTYPES, LoadedModel, build_model, hf_tensors
                                     resolve_dtype)
 from jaxinfer.models.registry import config_from_hf, model_class
 
-OnConfig = Callable[[ModelConfig], None]
-
-
-def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None,
-           on_config: OnConfig | None = None) -> tuple[ModelConfig, Any]:
+def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None
+           ) -> tuple[ModelConfig, Any]:
     cfg = config_from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them
-    if on_config is not None:       # before the weights are read (the engine starts work)
-        on_config(cfg)
     return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh)
 
 
-def load_hf_dir(path: str, dtype: Any, mesh: Any = None, on_config: OnConfig | None = None) -> LoadedModel:
+def load_hf_dir(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.safetensors import load_safetensors, read_json
     from jaxinfer.loading.tokenizer import Tokenizer
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
     config_from_hf(hf_config)   # validate before reading weights
-    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh, on_config)
+    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)
 
 
-def load_gguf_file(path: str, dtype: Any, mesh: Any = None, on_config: OnConfig | None = None) -> LoadedModel:
+def load_gguf_file(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
     from jaxinfer.loading.gguf import load_gguf
 
     ck = load_gguf(path, dtype=np.float32)
-    cfg, model = _build(ck.config, ck.tensors, dtype, mesh, on_config)
+    cfg, model = _build(ck.config, ck.tensors, dtype, mesh)
     return LoadedModel(cfg, model, ck.tokenizer, dict(ck.generation_config), path, dict(ck.config))
 
 
@@ -83,12 +78,9 @@ def load_tokenizer(model: str | None = None) -> Any:
     raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
 
 
-def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None,
-               on_config: OnConfig | None = None) -> LoadedModel:
+def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
     """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
-    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards.
-    ``on_config``: called with the model's config once it is known, before the weights are
-    read (HF and GGUF checkpoints)."""
+    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""
     from jaxinfer.loading import checkpoint
 
     t0 = time.perf_counter()
@@ -98,12 +90,12 @@ def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = Non
         if checkpoint.is_converted(path):
             loaded = checkpoint.restore(path, dtype, mesh)
         elif os.path.exists(os.path.join(path, "config.json")):
-            loaded = load_hf_dir(path, dtype, mesh, on_config)
+            loaded = load_hf_dir(path, dtype, mesh)
         else:
             raise ValueError(f"model: {path} is a directory without config.json "
                              "(not an HF checkpoint nor a `jaxinfer convert` output)")
     elif path.endswith(".gguf"):
-        loaded = load_gguf_file(path, dtype, mesh, on_config)
+        loaded = load_gguf_file(path, dtype, mesh)
     else:
         raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
     loaded.load_seconds = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -21,10 +21,10 @@ log = logging.getLogger("jaxinfer")
 
 
 def load_prepared(model: str | None, dtype: str, quantization: str | None,
-                  cache_dir: str | None, on_config: Callable[[Any], None] | None = None) -> LoadedModel:
+                  cache_dir: str | None) -> LoadedModel:
     """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels;
     through the weight cache ``cache_dir`` (EngineConfig.weight_cache_dir) unless it is
-    None / "". ``on_config``: as for load_model (from the cache too)."""
+    None / ""."""
     from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
     from jaxinfer.quantization import prepare_for_engine
 
@@ -36,13 +36,11 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     if key:
         hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
         if hit is not None:
-            if on_config is not None:
-                on_config(hit.config)
             hit.load_seconds = time.perf_counter() - t0
             log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
             return hit
     with large_blocks_mapped():
-        loaded = load_model(model, dtype, on_config=on_config)
+        loaded = load_model(model, dtype)
         loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
     release_host_memory()
     if key:

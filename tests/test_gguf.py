@@ -424,3 +424,39 @@ def test_default_model_config_and_speed(default_gguf_path, default_checkpoint):
     load_gguf(default_gguf_path)
     elapsed = time.perf_counter() - t0
     assert elapsed < 20, f"loading the default model took {elapsed:.1f} s"
+
+
+def test_metadata_reader_matches_gguf(tmp_path, default_gguf_path):
+    """Our reader decodes metadata fields itself (gguf._FastReader, ~20x faster than
+    gguf.GGUFReader on the default model's vocabulary): every field's contents() and
+    types equal gguf's, on the default model and on a file with every value type (bools,
+    each number width, empty and nested arrays, non-ASCII strings)."""
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_bool("t.bool", True)
+    for name, add, v in (("u8", w.add_uint8, 200), ("i8", w.add_int8, -5), ("u16", w.add_uint16, 60000),
+                         ("i16", w.add_int16, -30000), ("u32", w.add_uint32, 4_000_000_000),
+                         ("i32", w.add_int32, -2_000_000_000), ("u64", w.add_uint64, 2**63),
+                         ("i64", w.add_int64, -2**62), ("f32", w.add_float32, 0.1), ("f64", w.add_float64, 0.1)):
+        add(f"t.{name}", v)
+    w.add_string("t.str", "naïve ▁token ✓")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.strs", ["a", "", "ü ✓"])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (str(path), default_gguf_path):
+        ours, theirs = open_gguf(p), gguf.GGUFReader(p)
+        assert list(ours.fields) == list(theirs.fields)
+        for k, f in theirs.fields.items():
+            assert ours.fields[k].contents() == f.contents(), k
+            assert ours.fields[k].types == f.types, k
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        assert ours.data_offset == theirs.data_offset
+    assert open_gguf(str(path)).fields["t.nested"].contents() == [1, 2, 3]     # flattened, as gguf does

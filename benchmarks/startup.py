@@ -15,7 +15,8 @@ weights and every step shape are made), then again (all of it comes from
 * ``peak_rss_load_mib``: the server's peak RSS (VmHWM) when it starts serving: loading the
   model and compiling the first buckets;
 * ``peak_rss_workload_mib``: its peak RSS after the throughput workload (32 prompts of
-  16-256 tokens, 128 new tokens each, all at once; ``--quick``: 32 new tokens), which is
+  16-256 tokens, 128 new tokens each, all at once; ``--quick``: 32 new tokens, whose KV is
+  ~135 MiB smaller for float32, so its RSS is not the workload's peak), which is
   sent as soon as the first token came back;
 * ``peak_rss_mib``: its peak RSS once ready (every bucket compiled) or at ``--ready-timeout``.
 
@@ -29,8 +30,8 @@ llama.cpp's server and vLLM are timed the same way where installed (``--llamacpp
 safetensors dir with transformers' GGUF reader, made once). Their RSS is the sum over the
 server's process tree (vLLM runs its engine in a child process).
 
-    python benchmarks/startup.py --quick --python --out /tmp/startup.json   # all of it
-    python benchmarks/startup.py --formats float32 --quick --no-peers
+    python benchmarks/startup.py --python --out /tmp/startup.json   # all of it
+    python benchmarks/startup.py --formats float32 --no-peers       # the figures in RESULTS.md
 
 The workload is ../shared/data's token-id workload when present (benchmarks/common.py),
 else synthetic token ids of the same shapes (said in the output).

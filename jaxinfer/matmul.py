@@ -23,9 +23,13 @@ log = logging.getLogger("jaxinfer")
 #    f32_matmul/cpu.py): every output is one k-ordered FMA chain whatever M, so the kernel
 #    is batch-invariant by construction and serves both ``matmul`` and ``tiled_matmul``;
 #  * otherwise (bf16 weights, no compiler, TPU / GPU): XLA's dot, and ``tiled_matmul``
-#    keeps every dot in the 2..32-row regime: a lone row is padded to two, and a larger T
-#    is cut into 32-row tiles run one after another (lax.map keeps the HLO small). A row's
-#    result is then the same bits whatever else is in the batch.
+#    runs every dot on exactly 32 rows: T is padded up to a multiple of 32 and cut into
+#    32-row tiles run one after another (lax.map keeps the HLO small), so every row goes
+#    through the same dot of the same shape whatever else is in the batch. (Until
+#    2026-11-28 a T of 2..32 ran as it was, on the belief that XLA:CPU's 2..32-row kernel
+#    sums every row alike; on an AVX2-only Zen 3 it does not for narrow outputs: with
+#    N < 16, e.g. a MoE router's [T, 64] @ [64, 8], rows of M = 2, 3, 4 or 17 differed from
+#    the same rows at M = 32, so MoE routing changed with the batch.)
 INVARIANT_TILE = 32
 
 
@@ -79,11 +83,9 @@ def xla_matmul(x: jax.Array, w: jax.Array, invariant: bool) -> jax.Array:
     if not invariant:
         return x @ w
     T = x.shape[0]
-    if T == 1:
-        return (jnp.concatenate([x, jnp.zeros_like(x)]) @ w)[:1]
-    if T <= INVARIANT_TILE:
-        return x @ w
     n = -(-T // INVARIANT_TILE)
+    if n == 1:
+        return (jnp.pad(x, ((0, INVARIANT_TILE - T), (0, 0))) @ w)[:T]
     xp = jnp.pad(x, ((0, n * INVARIANT_TILE - T), (0, 0)))
     y = jax.lax.map(lambda xt: xt @ w, xp.reshape(n, INVARIANT_TILE, x.shape[1]))
     return y.reshape(n * INVARIANT_TILE, w.shape[1])[:T]

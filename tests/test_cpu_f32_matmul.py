@@ -249,3 +249,19 @@ def test_layer_indexed_matmul_in_a_loop_copies_no_weight(panelled):
         np.asarray(F.f32_matmul_layer(x, sq, jnp.int32(L)))
     with pytest.raises(ValueError, match="one shape and layout"):
         F.f32_matmul_layer(x, [sq[0], jnp.zeros((N, N + 16), jnp.float32)], jnp.int32(0))
+
+
+@pytest.mark.parametrize("n", [1, 8, 24, 96])
+def test_xla_invariant_matmul_rows_do_not_depend_on_the_batch(n):
+    """XLA's own dot in invariant mode (the path of bf16 weights, GPU/TPU, no compiler):
+    every row the same bits for any number of rows. Narrow outputs are the case that broke
+    on an AVX2-only Zen 3 when 2..32 rows ran unpadded (a MoE router, N = 8)."""
+    from jaxinfer import matmul as M
+
+    rng = np.random.RandomState(n)
+    x = jnp.asarray(rng.randn(70, 64), jnp.float32)
+    w = jnp.asarray(rng.randn(64, n), jnp.float32)
+    f = jax.jit(lambda a: M.xla_matmul(a, w, invariant=True))
+    full = np.asarray(f(x))
+    for m in (1, 2, 3, 4, 8, 17, 31, 32, 33, 64):
+        np.testing.assert_array_equal(np.asarray(f(x[:m])), full[:m], err_msg=f"{m} rows")

@@ -8,10 +8,9 @@ tile by its expert's weights (no Python loop over experts or tokens; tiles past 
 ones are skipped at run time).
 
 Batch invariance: a token's routing and output must not depend on the other tokens of its
-step. Every dot runs on a tile of a fixed number of rows in XLA:CPU's 2..32-row kernel
-regime (matmul.INVARIANT_TILE) or through the f32 C++ kernel (invariant for any row
-count), so a row's product never depends on which rows share its tile; the softmax and
-the renormalization sum with reductions.row_sum (a fixed order whatever the row count);
+step. Every dot runs through the f32 C++ kernel (invariant for any row count) or XLA's
+dot padded to matmul.INVARIANT_TILE rows (one dot shape for every tile), so a row's
+product never depends on which rows share its tile; the softmax and the renormalization sum with reductions.row_sum (a fixed order whatever the row count);
 each token adds its experts' outputs in increasing expert order, as transformers does.
 
 Expert parallelism: under tensor parallelism each device holds num_experts / tp experts
@@ -45,7 +44,8 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 
 def tile_rows(num_pairs: int, num_experts: int) -> int:
     """Rows per tile for a step of ``num_pairs`` (token, expert) pairs: about one tile per
-    expert, a power of two in [2, matmul.INVARIANT_TILE] (one row would leave the 2..32 regime)."""
+    expert, a power of two in [2, matmul.INVARIANT_TILE] (the tiles' matmul keeps each dot
+    batch-invariant at any of these sizes: jaxinfer/matmul.py)."""
     per_expert = -(-num_pairs // max(num_experts, 1))
     return max(2, min(M.INVARIANT_TILE, 1 << (per_expert - 1).bit_length()))
 

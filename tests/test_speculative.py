@@ -231,20 +231,25 @@ def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatc
         _no_leak(eng)
 
 
-def test_a_draft_with_its_own_pool_shares_the_kv_budget(tiny, draft_dir):
+def test_a_draft_with_its_own_pool_shares_the_kv_budget(tiny):
     """A draft with a pool of its own has the target's page count: the KV budget (here
     kv_cache_memory; on an accelerator a fraction of the free memory) pays for each page
-    in both pools, not the target's alone."""
+    in both pools, not the target's alone (the engine's call: resources.kv_cache_spec with
+    ``also``; a 'self' draft that steps on the target's pages passes none)."""
+    from jaxinfer.engine import resources as R
+    from jaxinfer.engine.spec_draft import draft_kv_spec
+
     budget = 200_000
-    kw = {**KW, "num_pages": None, "kv_cache_memory": budget}
-    eng = Engine(loaded=tiny, **kw, **method_options("draft", draft_dir))
-    both = eng.kv_spec.bytes_per_page + eng.speculator.proposer.spec.bytes_per_page
-    assert eng.kv_spec.num_pages == budget // both
-    assert eng.speculator.proposer.spec.num_pages == eng.kv_spec.num_pages
-    shared = Engine(loaded=tiny, **kw, **method_options("self", draft_dir))       # no pool of its own
-    assert shared.kv_spec.num_pages == budget // shared.kv_spec.bytes_per_page
-    for e in (eng, shared):
-        e.shutdown()
+    kw = {k: v for k, v in KW.items() if k != "progress"}
+    config = EngineConfig(**{**kw, "num_pages": None, "kv_cache_memory": budget})
+    draft = _tiny_llama(7, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=64)
+    mc = tiny.model.cfg
+    args = (config, mc, mc.num_kv_heads, tiny.model.dtype, 128)
+    both = R.kv_cache_spec(*args, also=lambda spec: draft_kv_spec(draft, spec))
+    alone = R.kv_cache_spec(*args)
+    pages = draft_kv_spec(draft, both)
+    assert both.num_pages == budget // (both.bytes_per_page + pages.bytes_per_page) < alone.num_pages
+    assert alone.num_pages == budget // alone.bytes_per_page and pages.num_pages == both.num_pages
 
 
 def test_stop_and_max_tokens_inside_a_run(plain, spec):

@@ -574,7 +574,8 @@ class EngineConfig:
     weight_cache_dir: str | None = DEFAULT_WEIGHT_CACHE
     seed: int = 0                            # base of per-request seeds when none is given
     # Every weight matmul batch-invariant (the f32 C++ kernel, or XLA's dot on fixed 32-row
-    # tiles: jaxinfer/matmul.py): a request's tokens are the same bits alone or in any batch. Cost measured in benchmarks/RESULTS.md.
+    # tiles: jaxinfer/matmul.py): a request's tokens are the same bits alone or in any
+    # batch. Cost measured in benchmarks/RESULTS.md.
     batch_invariant: bool = True
     # Devices one model is split over (0 = auto: the largest size the model's head counts
     # allow on the visible devices / data_parallel_size) and independent replicas.

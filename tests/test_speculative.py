@@ -199,7 +199,7 @@ def test_greedy_identical_alone_and_batched(plain, spec):
 
 def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatch):
     """'self' keeps no KV pool of its own: its multi-step decode runs on the target's pages
-    (spec_draft.can_share: it never allocates one), so it never catches up on a prompt and compiles no
+    (spec_draft.own_pool: it never allocates one), so it never catches up on a prompt and compiles no
     single-step forward; the target's tokens and logprobs stay the plain engine's bits
     (the target writes every position it verifies before reading it). 'draft' (another
     model) keeps its own pool and catches up. On an accelerator the target's pool takes most

@@ -98,13 +98,14 @@ class Engine:
             del target
         del float_target
         release_host_memory()
-        # A draft that cannot step on the target's pages ('draft', or 'self' over a mesh)
-        # keeps a pool of its own with as many pages: the KV budget pays for both.
+        # A draft that cannot step on the target's pages keeps a pool of its own with as
+        # many pages (spec_draft.own_pool): the KV budget pays for both.
         # models[0].cfg: KV heads repeated where tensor parallelism needs it.
-        own_pool = draft is not None and (config.speculative_method == "draft" or bool(meshes))
+        single = not meshes and R.num_processes() == 1
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
-                                       self.max_model_len,
-                                       also=(lambda spec: spec_draft.draft_kv_spec(draft, spec)) if own_pool else None)
+                                       self.max_model_len, also=None if draft is None else (
+                                           lambda spec: spec_draft.own_pool(config.speculative_method, single,
+                                                                            draft, spec)))
         self.ladders = self._ladders()
         from jaxinfer.engine.lora import make_registry
         self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
@@ -117,11 +118,9 @@ class Engine:
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
                                       m, mesh, attention, self.publisher, self.model_config, self.loras)
                          for m, mesh in zip(models, meshes or [None])]
-        # after the target's pool: 'self' drafts on the target's K/V where it can
-        # (spec_draft.py), with no pool of its own
-        share = self.replicas[0].runner if config.speculative_method == "self" else None
+        # after the target's pool, which a 'self' draft may step on (spec_draft.own_pool)
         self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
-            draft, self.kv_spec, self.ladders, config, attention, share_with=share))
+            draft, self.kv_spec, self.ladders, config, attention, target=self.replicas[0].runner))
         del draft
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)

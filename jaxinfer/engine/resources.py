@@ -45,12 +45,13 @@ def kv_cache_spec(config: EngineConfig, mc: ModelConfig, num_kv_heads: int, mode
     scales), as many as ``config.num_pages`` or the KV budget allows. ``num_kv_heads``: the
     running model's (tensor parallelism may repeat KV heads). ``also``: the layout of a
     second pool with the same page count (a draft model's own, engine/spec_draft.py) from
-    this one; the budget pays for a page in both."""
+    this one, or None for none; the budget pays for a page in both."""
     from jaxinfer.engine import kv_cache as kvc
 
     dtype = "int8" if config.kv_cache_dtype == "int8" else model_dtype
     probe = kvc.KVCacheSpec(mc.num_layers, 2, config.page_size, num_kv_heads, mc.head_dim, dtype)
-    page_bytes = probe.bytes_per_page + (also(probe).bytes_per_page if also else 0)
+    other = also(probe) if also else None
+    page_bytes = probe.bytes_per_page + (other.bytes_per_page if other else 0)
     need = config.max_num_seqs * -(-max_model_len // config.page_size) + 1   # + the padding page
     num_pages = config.num_pages or max(2, kv_budget(config, need * page_bytes) // page_bytes)
     return kvc.KVCacheSpec(mc.num_layers, num_pages, config.page_size, num_kv_heads, mc.head_dim, dtype)

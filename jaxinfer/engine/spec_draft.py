@@ -12,17 +12,18 @@ page ids, page table and slot mapping index the draft's pool too, and speculativ
 rollback (``BlockManager.trim``) frees a rejected page in both at once. No second block
 manager, no page copies between the pools.
 
-``self`` shares the target's KV pool (``can_share``; it then allocates no pool at all): the
-draft is the target's own weights (quantized, maybe fewer layers), so the target's exact K/V of every computed position is
-context the draft can read as its own, and the draft needs no pool and no catch-up at all.
-Its multi-step decode writes its approximate K/V only at positions the target has not
-computed yet (num_computed_tokens and after), and the verification step that follows
-writes the target's K/V at every position it feeds before any slot attends; a position a
-step never verifies is past num_computed_tokens and is written by the target step that
-computes it, again before it is read. So the target never reads a draft-written slot: its
-tokens stay the plain path's bits. Measured: no prompt catch-up (a whole prompt through the
-draft after the first token) and no one-token catch-up per fully accepted round
-(RESULTS.md, "Speculative decoding: self with a shared KV pool").
+``self`` shares the target's KV pool (``own_pool``; it then allocates no pool at all): the
+draft is the target's own weights (quantized, maybe fewer layers), so the target's exact
+K/V of every computed position is context the draft can read as its own, and the draft
+needs no pool and no catch-up at all. Its multi-step decode writes its approximate K/V
+only at positions the target has not computed yet (num_computed_tokens and after), and the
+verification step that follows writes the target's K/V at every position it feeds before
+any slot attends; a position a step never verifies is past num_computed_tokens and is
+written by the target step that computes it, again before it is read. So the target never
+reads a draft-written slot: its tokens stay the plain path's bits. Measured: no prompt
+catch-up (a whole prompt through the draft after the first token) and no one-token
+catch-up per fully accepted round (RESULTS.md, "Speculative decoding: self with a shared
+KV pool").
 
 ``draft`` (another model: its K/V are not the target's) keeps a pool of its own, kept in
 step lazily. Per sequence the proposer remembers how many
@@ -145,25 +146,29 @@ def draft_kv_spec(model: nnx.Module, target_spec: kvc.KVCacheSpec) -> kvc.KVCach
                            cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
-def can_share(spec: kvc.KVCacheSpec, target: Any) -> bool:
-    """Whether a draft of KV layout ``spec`` may use the KV pool of ``target`` (the target's
-    ModelRunner): one device, one process, and page arrays equal to the target's first
-    layers' (the draft's layers are the target's first ones)."""
-    n = spec.num_layers
-    if target.mesh is not None or target.publisher is not None or n > len(target.kv):
-        return False
-    want = kvc.abstract_kv_cache(dataclasses.replace(spec, num_layers=1))[0]
-    shape = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
-    return all(shape(pair) == shape(want) for pair in target.kv[:n])
+def pages_match(draft: kvc.KVCacheSpec, target: kvc.KVCacheSpec) -> bool:
+    """Whether a draft of KV layout ``draft`` can step on the pages of the target's first
+    layers: the same page arrays (count, size, heads, dtype), no more layers than it has."""
+    return (draft.num_layers <= target.num_layers
+            and dataclasses.replace(draft, num_layers=target.num_layers) == target)
+
+
+def own_pool(method: str, single_device: bool, draft: nnx.Module, target: kvc.KVCacheSpec
+             ) -> kvc.KVCacheSpec | None:
+    """The KV pool a draft keeps beside the target's (same page count), or None where it
+    steps on the target's pages instead: 'self' on one device in one process, when the
+    pages match. The engine sizes the KV budget by this, DraftProposer builds by it."""
+    spec = draft_kv_spec(draft, target)
+    return None if method == "self" and single_device and pages_match(spec, target) else spec
 
 
 class DraftProposer:
     """Proposals from a draft model: ``propose(sched, wanted, ensure)`` -> {seq_id: tokens}."""
 
     def __init__(self, model: nnx.Module, target_spec: kvc.KVCacheSpec, ladders: BucketLadders,
-                 config: EngineConfig, attention: str = "auto", share_with: Any = None):
-        """``share_with``: the target's ModelRunner, whose KV pool the draft uses when
-        ``can_share`` says it may; the draft then never allocates a pool of its own (on an
+                 config: EngineConfig, attention: str = "auto", target: Any = None):
+        """``target``: the target's ModelRunner, whose KV pool the draft steps on where
+        ``own_pool`` says so; the draft then never allocates a pool of its own (on an
         accelerator the target's pool already holds most of the free memory)."""
         from jaxinfer.engine.runner import ModelRunner
 
@@ -175,7 +180,8 @@ class DraftProposer:
         self.max_decode = _ceil_in(ladders.decode_sizes,
                                    min(config.speculative_disable_by_batch_size, config.max_num_seqs))
         self.chunk = max(n * c for n, c in ladders.prefill_shapes)
-        share = share_with is not None and can_share(self.spec, share_with)
+        single = target is not None and target.mesh is None and target.publisher is None
+        share = own_pool(config.speculative_method, single, model, target_spec) is None
         self.runner = ModelRunner(model, self.spec, 1, attention, config.batch_invariant,
                                   num_scheduler_steps=max(2, config.num_speculative_tokens), samples=False,
                                   multi_decode_seqs=self.max_decode, layer_loop=config.layer_loop,
@@ -189,7 +195,7 @@ class DraftProposer:
         self.target: Any = None     # the target's ModelRunner once the draft shares its KV pool
         if share:
             # Only the multi-step decode runs: no catch-up buckets, no single-step forwards.
-            self.target, self.runner.forwards = share_with, False
+            self.target, self.runner.forwards = target, False
             self.buckets = [b for b in self.buckets if b.num_prefill == 0]
 
     def propose(self, sched: Scheduler, wanted: list[tuple[Sequence, int]],

@@ -10,7 +10,8 @@ ones are skipped at run time).
 Batch invariance: a token's routing and output must not depend on the other tokens of its
 step. Every dot runs through the f32 C++ kernel (invariant for any row count) or XLA's
 dot padded to matmul.INVARIANT_TILE rows (one dot shape for every tile), so a row's
-product never depends on which rows share its tile; the softmax and the renormalization sum with reductions.row_sum (a fixed order whatever the row count);
+product never depends on which rows share its tile; the softmax and the renormalization
+sum with reductions.row_sum (a fixed order whatever the row count);
 each token adds its experts' outputs in increasing expert order, as transformers does.
 
 Expert parallelism: under tensor parallelism each device holds num_experts / tp experts

@@ -367,17 +367,24 @@ ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> s
 
 }  // namespace
 
+// The attention's scalar attributes, the same for the plain and the layer form.
+struct AttnAttrs {
+  explicit AttnAttrs(jaxinfer_ffi::Frame& f)
+      : num_decode(f.attr_i64("num_decode")), chunk(f.attr_i64("prefill_chunk")),
+        window(f.attr_i64("sliding_window")), sm_scale(f.attr_f32("sm_scale")), soft_cap(f.attr_f32("soft_cap")) {}
+  int64_t num_decode, chunk, window;
+  float sm_scale, soft_cap;
+};
+
 JAXINFER_FFI_HANDLER(JaxinferPagedAttention, f) {
   auto q = f.arg<ffi::F32>(0), k = f.arg<ffi::F32>(1), v = f.arg<ffi::F32>(2);
   auto kv_lens = f.arg<ffi::S32>(3), q_lens = f.arg<ffi::S32>(4), page_table = f.arg<ffi::S32>(5);
   auto alibi = f.arg<ffi::F32>(6);
   auto out = f.ret<ffi::F32>(0);
-  const int64_t num_decode = f.attr_i64("num_decode"), chunk = f.attr_i64("prefill_chunk");
-  const int64_t window = f.attr_i64("sliding_window");
-  const float sm_scale = f.attr_f32("sm_scale"), soft_cap = f.attr_f32("soft_cap");
+  const AttnAttrs a(f);
   if (!f.ok(7, 1)) return f.error();
-  return AttentionImpl(f.pool(), q, k, v, kv_lens, q_lens, page_table, alibi, num_decode, chunk, sm_scale,
-                       window, soft_cap, out);
+  return AttentionImpl(f.pool(), q, k, v, kv_lens, q_lens, page_table, alibi, a.num_decode, a.chunk,
+                       a.sm_scale, a.window, a.soft_cap, out);
 }
 
 JAXINFER_FFI_HANDLER(JaxinferPagedAttentionLayer, f) {
@@ -386,12 +393,10 @@ JAXINFER_FFI_HANDLER(JaxinferPagedAttentionLayer, f) {
   auto page_table = f.arg<ffi::S32>(4);
   auto alibi = f.arg<ffi::F32>(5);
   auto out = f.ret<ffi::F32>(0);
-  const int64_t num_decode = f.attr_i64("num_decode"), chunk = f.attr_i64("prefill_chunk");
-  const int64_t window = f.attr_i64("sliding_window");
-  const float sm_scale = f.attr_f32("sm_scale"), soft_cap = f.attr_f32("soft_cap");
+  const AttnAttrs a(f);
   if (!f.ok(6, 1, /*more_args=*/true)) return f.error();
-  return AttentionLayerImpl(f.pool(), q, layer, kv_lens, q_lens, page_table, alibi, f.args_from(6), num_decode,
-                            chunk, sm_scale, window, soft_cap, out);
+  return AttentionLayerImpl(f.pool(), q, layer, kv_lens, q_lens, page_table, alibi, f.args_from(6),
+                            a.num_decode, a.chunk, a.sm_scale, a.window, a.soft_cap, out);
 }
 
 JAXINFER_FFI_HANDLER(JaxinferKvWriteLayer, f) {

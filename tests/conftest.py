@@ -39,11 +39,15 @@ def pytest_configure(config):
 
     from jaxinfer.engine.resources import enable_compilation_cache
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run:
-        path = os.path.join(tempfile.gettempdir(), f"jaxinfer-xla-cache-{run}")
-    else:
-        path = tempfile.mkdtemp(prefix="jaxinfer-xla-cache-")
+    # The first pytest process (xdist's controller, or the only one) makes the directory and
+    # removes it when the run ends (pytest_unconfigure; ~0.6-1.1 GB: compiled executables,
+    # weight caches, the HF twin of tests/test_default_model.py); the xdist workers it
+    # starts inherit the variable and share it.
+    path = os.environ.get("JAXINFER_TEST_CACHE_DIR")
+    if not path:
+        path = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
+        os.environ["JAXINFER_TEST_CACHE_DIR"] = path
+        config._jaxinfer_owned_cache = path
     enable_compilation_cache(path)
     from jaxinfer.loading.weight_cache import use_default_dir
 
@@ -58,6 +62,14 @@ def pytest_configure(config):
     from jaxinfer.engine.warmup import use_default_mode
 
     use_default_mode("full")
+
+
+def pytest_unconfigure(config):
+    owned = getattr(config, "_jaxinfer_owned_cache", None)
+    if owned:
+        import shutil
+
+        shutil.rmtree(owned, ignore_errors=True)
 
 
 # Seconds each file took in CI (setup + call + teardown, the "xdist workers' busy time"

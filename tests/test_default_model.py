@@ -72,10 +72,40 @@ def hf_default_model():
 
 @functools.cache
 def _hf_default_model():
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-    from common import load_hf_model
+    """transformers' GGUF reader takes ~23 s on a 2-core VM (its metadata parse, not the
+    dequantization): under pytest the first process to need the model reads it and keeps
+    its tensors as safetensors in the run's cache directory (tests/conftest.py), and every
+    other process of the run (the other xdist worker) loads those (~0.2 s) instead. The
+    tensors are transformers' own either way."""
+    import fcntl
 
-    model, _ = load_hf_model()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from common import TORCH_THREADS, _no_init_weights, load_hf_model
+    from safetensors.torch import load_file, save_file
+
+    run_cache = os.environ.get("JAXINFER_TEST_CACHE_DIR")
+    if not run_cache:
+        model, _ = load_hf_model()
+    else:
+        d = os.path.join(run_cache, "hf_default_twin")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # one reader; the others wait and load its file
+            done = os.path.join(d, "model.safetensors")
+            if os.path.exists(done):
+                torch.set_num_threads(TORCH_THREADS)           # as load_hf_model does
+                with _no_init_weights():
+                    model = transformers.LlamaForCausalLM(
+                        transformers.LlamaConfig.from_json_file(os.path.join(d, "config.json"))).float().eval()
+                missing, unexpected = model.load_state_dict(load_file(done), strict=False)
+                assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+                model.tie_weights()
+            else:
+                model, _ = load_hf_model()
+                model.config.to_json_file(os.path.join(d, "config.json"))
+                save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
+                          done + ".tmp")
+                os.replace(done + ".tmp", done)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     return model
 

@@ -52,7 +52,7 @@ def grid():
 
 
 def test_tp_and_dp_grid_match_tp1(grid):
-    """TP 1/2/4/8 and DP x TP 2x2 / 2x4 on tiny models (heads that divide, KV heads that must
+    """TP 1/2/4/8 and DP x TP 2x4 on tiny models (heads that divide, KV heads that must
     be repeated): greedy tokens identical to TP=1, every sampled token's logits within 1e-5."""
     from tp_worker import GRID_OF, TINY
 

@@ -248,13 +248,22 @@ def load_hf_model() -> tuple[Any, float]:
     parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
     cfg = dict(parsed["config"])
     cfg.pop("model_type", None)
-    with _no_init_weights():        # every weight is overwritten just below
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    if unexpected or not set(missing) <= {"lm_head.weight"}:
-        raise RuntimeError(f"HF GGUF load: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    model = hf_llama_from_tensors(transformers.LlamaConfig(**cfg), parsed["tensors"])
     return model, time.perf_counter() - t0
+
+
+def hf_llama_from_tensors(config: Any, tensors: dict[str, Any]) -> Any:
+    """transformers' LlamaForCausalLM (float32, eval) holding ``tensors``, its head tied to
+    the embedding (the default model's checkpoint has no lm_head)."""
+    import transformers
+
+    with _no_init_weights():        # every weight is overwritten just below
+        model = transformers.LlamaForCausalLM(config).float().eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise RuntimeError(f"HF load: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
 
 
 # ---------------------------------------------------------------------- other models

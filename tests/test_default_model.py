@@ -80,7 +80,7 @@ def _hf_default_model():
     import fcntl
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-    from common import TORCH_THREADS, _no_init_weights, load_hf_model
+    from common import TORCH_THREADS, hf_llama_from_tensors, load_hf_model
     from safetensors.torch import load_file, save_file
 
     run_cache = os.environ.get("JAXINFER_TEST_CACHE_DIR")
@@ -94,12 +94,8 @@ def _hf_default_model():
             done = os.path.join(d, "model.safetensors")
             if os.path.exists(done):
                 torch.set_num_threads(TORCH_THREADS)           # as load_hf_model does
-                with _no_init_weights():
-                    model = transformers.LlamaForCausalLM(
-                        transformers.LlamaConfig.from_json_file(os.path.join(d, "config.json"))).float().eval()
-                missing, unexpected = model.load_state_dict(load_file(done), strict=False)
-                assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-                model.tie_weights()
+                model = hf_llama_from_tensors(
+                    transformers.LlamaConfig.from_json_file(os.path.join(d, "config.json")), load_file(done))
             else:
                 model, _ = load_hf_model()
                 model.config.to_json_file(os.path.join(d, "config.json"))

@@ -102,10 +102,10 @@ class Engine:
         # many pages (spec_draft.own_pool): the KV budget pays for both.
         # models[0].cfg: KV heads repeated where tensor parallelism needs it.
         single = not meshes and R.num_processes() == 1
+        draft_pool = None if draft is None else (
+            lambda spec: spec_draft.own_pool(config.speculative_method, single, draft, spec))
         self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
-                                       self.max_model_len, also=None if draft is None else (
-                                           lambda spec: spec_draft.own_pool(config.speculative_method, single,
-                                                                            draft, spec)))
+                                       self.max_model_len, also=draft_pool)
         self.ladders = self._ladders()
         from jaxinfer.engine.lora import make_registry
         self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
@@ -118,9 +118,10 @@ class Engine:
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
                                       m, mesh, attention, self.publisher, self.model_config, self.loras)
                          for m, mesh in zip(models, meshes or [None])]
-        # after the target's pool, which a 'self' draft may step on (spec_draft.own_pool)
+        # after the target's pool, which a 'self' draft may step on (the same decision)
+        steps_on = None if draft is None or draft_pool(self.kv_spec) is not None else self.replicas[0].runner
         self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
-            draft, self.kv_spec, self.ladders, config, attention, target=self.replicas[0].runner))
+            draft, self.kv_spec, self.ladders, config, attention, target=steps_on))
         del draft
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)

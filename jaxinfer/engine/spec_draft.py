@@ -167,8 +167,9 @@ class DraftProposer:
 
     def __init__(self, model: nnx.Module, target_spec: kvc.KVCacheSpec, ladders: BucketLadders,
                  config: EngineConfig, attention: str = "auto", target: Any = None):
-        """``target``: the target's ModelRunner, whose KV pool the draft steps on where
-        ``own_pool`` says so; the draft then never allocates a pool of its own (on an
+        """``target``: the target's ModelRunner when the draft steps on its KV pool (the
+        engine asks ``own_pool``, the decision its KV budget used), or None for a pool of
+        the draft's own; a draft on the target's pages never allocates one (on an
         accelerator the target's pool already holds most of the free memory)."""
         from jaxinfer.engine.runner import ModelRunner
 
@@ -180,8 +181,7 @@ class DraftProposer:
         self.max_decode = _ceil_in(ladders.decode_sizes,
                                    min(config.speculative_disable_by_batch_size, config.max_num_seqs))
         self.chunk = max(n * c for n, c in ladders.prefill_shapes)
-        single = target is not None and target.mesh is None and target.publisher is None
-        share = own_pool(config.speculative_method, single, model, target_spec) is None
+        share = target is not None
         self.runner = ModelRunner(model, self.spec, 1, attention, config.batch_invariant,
                                   num_scheduler_steps=max(2, config.num_speculative_tokens), samples=False,
                                   multi_decode_seqs=self.max_decode, layer_loop=config.layer_loop,

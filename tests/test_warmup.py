@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import EngineConfig, SamplingParams
-from jaxinfer.engine.batch import Bucket, BucketLadders
+from jaxinfer.engine.batch import Bucket, BucketLadders, default_ladders
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.warmup import priority_order
 
@@ -47,9 +47,14 @@ def _ladders() -> BucketLadders:
 
 def test_priority_order_first_request_buckets_first():
     first, rest = priority_order(_ladders())
-    assert first == [Bucket.of(1, 0, 0, 13), Bucket.of(0, 1, 16, 13)]
+    # no prefill shape holds 128 positions: the largest one
+    assert first == [Bucket.of(1, 0, 0, 13), Bucket.of(0, 4, 16, 13)]
     assert sorted(first + rest) == _ladders().all_buckets() and not set(first) & set(rest)
     assert rest == sorted(rest)
+    # the default ladder: 4 slots of 32 (128 positions) is the smallest that holds 128
+    default = default_ladders(64, 2048, 16, 512)
+    m = default.min_sample_rows
+    assert priority_order(default)[0] == [Bucket.of(1, 0, 0, 128, False, m), Bucket.of(0, 4, 32, 128, False, m)]
 
 
 def test_choose_falls_back_to_a_compiled_bucket_that_holds_the_step():

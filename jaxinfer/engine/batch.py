@@ -177,10 +177,13 @@ def _ceil_in(ladder: Seq[int], n: int, what: str) -> int:
 def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
                     max_num_batched_tokens: int) -> BucketLadders:
     """Powers of two for decode up to max_num_seqs; a coarser ladder when prefill rides
-    along; single-slot chunks of 32/128/up-to-budget for one prompt, and 32-position slots
-    (2, 4, and as many as the budget holds) that pack several prompts, or the pieces of
-    one, into a step. Two slots (64 positions) serve the short remainders a prefix-cache
-    hit leaves (a chat's new turn: 33-64 new tokens would otherwise pad to 128).
+    along; prefill regions of 1, 2, 4, 8, ... slots of 32 positions up to the token budget
+    (at most 512), which pack several prompts, or the pieces of one, into a step: a chunk
+    pads to at most twice its length (plus 31), and one prompt cut into slots runs as fast
+    as in a single slot of the same size (benchmarks/RESULTS.md, "Prefill shapes"). Two
+    slots (64 positions) serve the short remainders a prefix-cache hit leaves (a chat's new
+    turn). With max_num_seqs 1, single slots of 32/128/budget instead: the sampler is as
+    wide as the widest bucket's sequences, and a one-sequence engine keeps it one row.
 
     One page-table width: the attention loops over KV blocks up to the longest live
     sequence at run time, so a wider table costs only its int32 entries, not compute.
@@ -191,10 +194,11 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
     else:
         mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
     big = max(32, min(512, max_num_batched_tokens))
-    single = sorted({c for c in (32, 128, big) if c <= big})
-    shapes = {(1, c) for c in single}
-    if max_num_seqs > 1:
-        shapes |= {(n, 32) for n in (2, 4, big // 32) if n > 1}
+    if max_num_seqs == 1:
+        shapes = {(1, c) for c in (32, 128, big) if c <= big}
+    else:
+        slots = -(-big // 32)
+        shapes = {(1 << i, 32) for i in range(slots.bit_length()) if 1 << i < slots} | {(slots, 32)}
     full = -(-max_model_len // page_size)
     return BucketLadders(tuple(decode), tuple(mixed), tuple(sorted(shapes)), (full,))
 

@@ -43,17 +43,18 @@ def use_default_mode(mode: str) -> None:
 
 def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
     """(first, rest): ``first`` is what a lone first request needs — the smallest decode
-    bucket and one single-slot prefill bucket with no decode slots (chunk >= 128 where the
-    ladder has one, so a typical chat prompt prefills in one step); both share the
-    one-row sampler. ``rest``: every other bucket, cheapest first (small batches come
+    bucket and the smallest prefill bucket without decode slots that holds 128 positions
+    (the largest where none does), so a typical chat prompt prefills in one step; both
+    share the sampler. ``rest``: every other bucket, cheapest first (small batches come
     before large ones as traffic grows)."""
     every = ladders.all_buckets()
     decode = [b for b in every if b.num_prefill == 0]
-    single = [b for b in every if b.num_decode == 0 and b.num_prefill == 1]
+    prefill = [b for b in every if b.num_decode == 0 and b.num_prefill > 0 and not b.score]
     first = [min(decode)] if decode else []
-    if single:
-        big = [b for b in single if b.prefill_chunk >= 128]
-        first.append(min(big) if big else max(single))
+    if prefill:
+        big = [b for b in prefill if b.num_prefill * b.prefill_chunk >= 128]
+        first.append(min(big, key=lambda b: (b.num_tokens, b)) if big
+                     else max(prefill, key=lambda b: (b.num_tokens, b)))
     elif every:
         first.append(min(b for b in every if b.num_prefill > 0))
     first = sorted(set(first))

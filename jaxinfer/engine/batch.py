@@ -182,8 +182,9 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
     pads to at most twice its length (plus 31), and one prompt cut into slots runs as fast
     as in a single slot of the same size (benchmarks/RESULTS.md, "Prefill shapes"). Two
     slots (64 positions) serve the short remainders a prefix-cache hit leaves (a chat's new
-    turn). With max_num_seqs 1, single slots of 32/128/budget instead: the sampler is as
-    wide as the widest bucket's sequences, and a one-sequence engine keeps it one row.
+    turn). With max_num_seqs 1, single slots of 32, 64, 128, 256 positions and the budget
+    instead: the sampler is as wide as the widest bucket's sequences, and a one-sequence
+    engine keeps it one row.
 
     One page-table width: the attention loops over KV blocks up to the longest live
     sequence at run time, so a wider table costs only its int32 entries, not compute.
@@ -195,7 +196,7 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
         mixed = sorted({0, min(8, max_num_seqs), max_num_seqs} | ({32} if max_num_seqs > 32 else set()))
     big = max(32, min(512, max_num_batched_tokens))
     if max_num_seqs == 1:
-        shapes = {(1, c) for c in (32, 128, big) if c <= big}
+        shapes = {(1, 32 << i) for i in range(5) if 32 << i < big} | {(1, big)}
     else:
         slots = -(-big // 32)
         shapes = {(1 << i, 32) for i in range(slots.bit_length()) if 1 << i < slots} | {(slots, 32)}

@@ -571,3 +571,20 @@ def test_min_sampler_rows_gives_one_sampler_width():
     assert engine_config(build_parser().parse_args(["serve"]), 32).min_sampler_rows is None
     args = build_parser().parse_args(["serve", "--min-sampler-rows", "32"])
     assert engine_config(args, 32).min_sampler_rows == 32
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 8, 32, 64])
+@pytest.mark.parametrize("budget", [32, 64, 100, 512, 2048])
+def test_default_prefill_shapes_pad_a_prompt_at_most_twice(max_num_seqs, budget):
+    """The default ladder's cheapest bucket for one prompt chunk of any length the budget
+    allows holds at most twice its positions (32 at least): no gap like the old 128 -> 512
+    single slots, where a 129-token prompt paid for 512 (benchmarks/RESULTS.md, "Prefill
+    shapes"); a one-sequence engine's shapes have one slot (its sampler stays one row)."""
+    from jaxinfer.engine.batch import default_ladders
+
+    lad = default_ladders(max_num_seqs, 4096, 16, budget)
+    if max_num_seqs == 1:
+        assert {n for n, _ in lad.prefill_shapes} == {1}
+    for n in range(1, min(budget, 512) + 1):
+        b = lad.choose(0, [n], 1)
+        assert b.num_prefill * b.prefill_chunk <= max(32, 2 * n), (n, b)

@@ -52,9 +52,8 @@ def priority_order(ladders: BucketLadders) -> tuple[list[Bucket], list[Bucket]]:
     prefill = [b for b in every if b.num_decode == 0 and b.num_prefill > 0 and not b.score]
     first = [min(decode)] if decode else []
     if prefill:
-        big = [b for b in prefill if b.num_prefill * b.prefill_chunk >= 128]
-        first.append(min(big, key=lambda b: (b.num_tokens, b)) if big
-                     else max(prefill, key=lambda b: (b.num_tokens, b)))
+        big = [b for b in prefill if b.num_tokens >= 128]     # buckets sort by num_tokens first
+        first.append(min(big) if big else max(prefill))
     elif every:
         first.append(min(b for b in every if b.num_prefill > 0))
     first = sorted(set(first))

@@ -146,7 +146,10 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
       own k-ordered FMA chain, so the fused product is bitwise the separate ones, and a
       decode step makes 4 kernel calls a layer instead of 7;
     * every matmul weight is stored panel-major (``cpu_f32_matmul.panel``), which the kernel
-      reads without the per-call copy: the same bits, 15-40% faster at decode batch sizes.
+      reads without the per-call copy: the same bits, 15-40% faster at decode batch sizes;
+    * a weight whose floats are exactly a block-quantized checkpoint's (a GGUF's Q4_1 /
+      Q8_0, dequantized by the loader) is kept as those codes (``CodedF32``): the kernel
+      computes with the very same floats, at 1.25 bytes a weight instead of 4.
 
     Single-device models only (a fused or panelled weight would shard differently)."""
     from jaxinfer.matmul import f32_kernel_applies
@@ -160,7 +163,27 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
         value = param.get_value()
         if isinstance(value, jax.Array) and value.dtype == jnp.float32:
             param.set_value(_panel(value))
-    return tie_embedding(model)
+    return code_weights(tie_embedding(model))
+
+
+def code_weights(model: nnx.Module) -> nnx.Module:
+    """In place: every panel-major float32 matmul weight whose floats have exact block codes
+    (pallas_kernels/f32_matmul/codes.py) becomes a CodedF32; a TiedEmbedding follows its
+    head. Others stay as they are."""
+    from pallas_kernels.f32_matmul.codes import encode
+    from pallas_kernels.f32_matmul.cpu import PanelledF32
+
+    names = MATMUL_WEIGHTS + tuple(fused for fused, _ in FUSED)
+    for param in _matmul_params(model, names):
+        value = param.get_value()
+        if isinstance(value, PanelledF32):
+            coded = encode(value)
+            if coded is not None:
+                param.set_value(coded)
+    embed = getattr(model, "embed", None)
+    if isinstance(embed, nnx.Variable) and isinstance(embed.get_value(), TiedEmbedding):
+        embed.set_value(TiedEmbedding(model.lm_head.get_value()))
+    return model
 
 
 @jax.jit
@@ -175,8 +198,8 @@ def _panel(w: jax.Array) -> Any:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["head"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TiedEmbedding:
-    """A tied model's embedding table read from its LM head (``head``: the [D, V] weight
-    or its PanelledF32), which holds the same numbers transposed: one copy instead of two
+    """A tied model's embedding table read from its LM head (``head``: the [D, V] weight,
+    its PanelledF32 or CodedF32), which holds the same numbers transposed: one copy instead of two
     (113 MB for SmolLM2 in float32). Rows come out bitwise equal to the table's."""
 
     head: Any
@@ -198,6 +221,8 @@ class TiedEmbedding:
 
     def rows(self, tokens: jax.Array) -> jax.Array:
         """tokens i32[T] -> [T, D]."""
+        if hasattr(self.head, "columns_as_rows"):             # a CodedF32 head
+            return self.head.columns_as_rows(tokens)
         panels = getattr(self.head, "panels", None)           # [V/P, D, P]
         if panels is not None:
             p = panels.shape[2]

@@ -265,3 +265,73 @@ def test_xla_invariant_matmul_rows_do_not_depend_on_the_batch(n):
     full = np.asarray(f(x))
     for m in (1, 2, 3, 4, 8, 17, 31, 32, 33, 64):
         np.testing.assert_array_equal(np.asarray(f(x[:m])), full[:m], err_msg=f"{m} rows")
+
+
+def _block_quantized(K: int, N: int, seed: int, kind: str) -> np.ndarray:
+    """float32 [K, N] as a GGUF dequantizer makes it from blocks of 32 rows of a column
+    (gguf-py's numpy formulas): Q4_1 ``d * q + m`` (d, m float16, q 0..15), Q8_0 ``d * q``
+    (d float16, q -127..127)."""
+    rng = np.random.default_rng(seed)
+    B = K // 32
+    d = (rng.uniform(0.001, 0.05, (B, 1, N))).astype(np.float16).astype(np.float32)
+    if kind == "q4_1":
+        q = rng.integers(0, 16, (B, 32, N)).astype(np.float32)
+        q[:, 0], q[:, 1] = 0, 15              # the quantizer maps a block's min to 0, max to 15
+        m = rng.uniform(-0.5, 0.0, (B, 1, N)).astype(np.float16).astype(np.float32)
+        return (d * q + m).reshape(K, N)
+    q = rng.integers(-127, 128, (B, 32, N)).astype(np.float32)
+    q[:, 0] = 127                            # amax maps to +-127
+    return (d * q).reshape(K, N)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("K,N", [(576, 192), (1536, 64), (64, 16 * 70)])
+def test_coded_weights_give_the_float32_bits(kind, K, N):
+    """codes.encode finds exact codes for a block-quantized float32 weight (CodedF32: int8
+    codes, a scale and offset per 32 rows of a column): dequantized by the kernel they are
+    the very floats, and the matmul gives the float32 weight's bits for every M (decode
+    tiles, GEMM, more panels than one 64-panel encode chunk), plain and layer-indexed; a
+    tied head's rows (columns_as_rows) are the weight's columns. A weight with one value off
+    by an ulp, or random floats, has no codes: encode keeps it float32."""
+    from pallas_kernels.f32_matmul.codes import encode
+
+    assert F.available(), F.unavailable_reason()
+    w = _block_quantized(K, N, 3, kind)
+    wp = F.panel(jnp.asarray(w))
+    coded = encode(wp)
+    assert isinstance(coded, F.CodedF32) and coded.shape == (K, N) and coded.dtype == jnp.float32
+    assert coded.codes.dtype == jnp.int8 and coded.scale.shape == (N // 16, K // 32, 16)
+    assert coded.nbytes < wp.nbytes / 3
+    np.testing.assert_array_equal(np.asarray(coded.unpanelled()).view(np.uint32), w.view(np.uint32))
+    xs = jnp.asarray(_rand((64, K), 9))
+    for M in (1, 2, 3, 4, 7, 32, 64):
+        np.testing.assert_array_equal(np.asarray(F.f32_matmul(xs[:M], coded)),
+                                      np.asarray(F.f32_matmul(xs[:M], wp)), err_msg=f"M={M}")
+    assert F.TARGET_CODES in jax.jit(F.f32_matmul).lower(xs[:4], coded).as_text()
+    other = encode(F.panel(jnp.asarray(_block_quantized(K, N, 4, kind))))
+    for i, ref in enumerate((wp, F.panel(jnp.asarray(_block_quantized(K, N, 4, kind))))):
+        np.testing.assert_array_equal(np.asarray(F.f32_matmul_layer(xs[:5], [coded, other], jnp.int32(i))),
+                                      np.asarray(F.f32_matmul(xs[:5], ref)), err_msg=f"layer {i}")
+    cols = jnp.asarray([0, 5, 17, N - 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(coded.columns_as_rows(cols)), w[:, np.asarray(cols)].T)
+    off = w.copy()
+    off[K // 2, N // 3] = np.nextafter(off[K // 2, N // 3], np.float32(np.inf))
+    assert encode(F.panel(jnp.asarray(off))) is None
+    assert encode(F.panel(jnp.asarray(_rand((K, N), 5)))) is None
+
+
+@needs_kernel
+def test_coded_weight_errors_name_the_problem():
+    """Mixed kinds in a layer-indexed call, and codes whose K is not a multiple of 32, are
+    refused with a message, not read past a buffer."""
+    assert F.available(), F.unavailable_reason()
+    from pallas_kernels.f32_matmul.codes import encode
+
+    coded = encode(F.panel(jnp.asarray(_block_quantized(64, 32, 1, "q8_0"))))
+    with pytest.raises(ValueError, match="one shape and layout"):
+        F.f32_matmul_layer(jnp.zeros((1, 64)), [coded, F.panel(jnp.zeros((64, 32)))], jnp.int32(0))
+    assert encode(F.panel(jnp.zeros((48, 32), jnp.float32))) is None          # K % 32: no codes
+    bad = F.CodedF32(jnp.zeros((2, 48, 16), jnp.int8), jnp.zeros((2, 1, 16)), jnp.zeros((2, 1, 16)))
+    with pytest.raises(Exception, match="K a multiple of 32"):
+        F.f32_matmul(jnp.zeros((1, 48)), bad).block_until_ready()

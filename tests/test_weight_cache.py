@@ -152,3 +152,36 @@ def test_default_dir_from_the_environment(monkeypatch, tmp_path):
     assert W.resolve_dir(DEFAULT_WEIGHT_CACHE) == os.path.expanduser(DEFAULT_WEIGHT_CACHE)
     monkeypatch.setattr(W, "_default_dir", str(tmp_path / "chosen"))
     assert W.resolve_dir(DEFAULT_WEIGHT_CACHE) == str(tmp_path / "chosen")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype):
+    """A GGUF's Q8_0 / Q4_1 matrices, dequantized to float32 by the loader, are prepared as
+    their exact codes (CodedF32, pallas_kernels/f32_matmul/codes.py): saved, mapped back by
+    the second load, and the model's logits are bitwise those of the same model prepared
+    as float32 panels (codes refused)."""
+    import gguf
+
+    from jaxinfer.reference import ReferenceGenerator
+    from pallas_kernels.f32_matmul import codes
+    from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32, available
+
+    assert available()
+    path = tmp_path / "q.gguf"
+    write_gguf(path, tiny_hf_weights(hidden=64, ffn=96), qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    cache = str(tmp_path / "cache")
+    first = load_prepared(str(path), "float32", None, cache)
+    second = load_prepared(str(path), "float32", None, cache)
+    layer = second.model.layers[0]
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert isinstance(getattr(layer, name).get_value(), CodedF32), name
+    a, b = _state(first.model), _state(second.model)
+    for p in a:
+        for x, y in zip(a[p][1], b[p][1], strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=str(p))
+    monkeypatch.setattr(codes, "encode", lambda w: None)
+    floats = load_prepared(str(path), "float32", None, None)
+    assert isinstance(floats.model.layers[0].wo.get_value(), PanelledF32)
+    ids = list(range(2, 40))
+    np.testing.assert_array_equal(ReferenceGenerator(second.model).logits(ids),
+                                  ReferenceGenerator(floats.model).logits(ids))

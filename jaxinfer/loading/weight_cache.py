@@ -49,10 +49,10 @@ _CONTAINERS: dict[str, type] = {}
 def _containers() -> dict[str, type]:
     if not _CONTAINERS:
         from jaxinfer.quantization import TiedEmbedding
-        from pallas_kernels.f32_matmul.cpu import PanelledF32
+        from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32
         from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
-        _CONTAINERS.update(PanelledF32=PanelledF32, QuantizedWeight=QuantizedWeight,
+        _CONTAINERS.update(PanelledF32=PanelledF32, CodedF32=CodedF32, QuantizedWeight=QuantizedWeight,
                            TiedEmbedding=TiedEmbedding)
     return _CONTAINERS
 
@@ -104,7 +104,9 @@ def _code_digest() -> bytes:
     top, kernels = Path(__file__).resolve().parents[1], Path(pallas_kernels.__file__).parent
     files = [*sorted((top / "loading").glob("*.py")), *sorted((top / "models").glob("*.py")),
              top / "quantization.py", top / "config.py",
-             *(kernels / m for m in ("f32_matmul/cpu.py", "quantized_matmul/cpu.py", "quantized_matmul/xla.py"))]
+             *(kernels / m for m in ("f32_matmul/cpu.py", "quantized_matmul/cpu.py", "quantized_matmul/xla.py",
+                                     # the codes and the kernel's dequantization that they reproduce
+                                     "f32_matmul/codes.py", "f32_matmul/f32_matmul.cc"))]
     return hashlib.sha256(b"\0".join(f.read_bytes() for f in files)).digest()
 
 

@@ -31,12 +31,21 @@ TARGET_PANELS = "jaxinfer_f32_matmul_panels"
 TARGET_LAYER = "jaxinfer_f32_matmul_layer"
 TARGET_ROW_SUM = "jaxinfer_row_sum"
 TARGET_ROW_SUM_SQUARES = "jaxinfer_row_sum_squares"
+TARGET_CODES = "jaxinfer_f32_matmul_codes"
+TARGET_LAYER_CODES = "jaxinfer_f32_matmul_layer_codes"
+TARGET_DEQUANT = "jaxinfer_codes_dequant"
+TARGET_CODES_ROWS = "jaxinfer_codes_rows"
 _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
                                              TARGET_PANELS: "JaxinferF32MatmulPanels",
                                              TARGET_LAYER: "JaxinferF32MatmulLayer",
                                              TARGET_ROW_SUM: "JaxinferRowSum",
-                                             TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares"}, "f32 matmul")
+                                             TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares",
+                                             TARGET_CODES: "JaxinferF32MatmulCodes",
+                                             TARGET_LAYER_CODES: "JaxinferF32MatmulLayerCodes",
+                                             TARGET_DEQUANT: "JaxinferCodesDequant",
+                                             TARGET_CODES_ROWS: "JaxinferCodesRows"}, "f32 matmul")
 PANEL = 16   # columns per panel: the GEMM's register tile width
+CODE_BLOCK = 32   # rows of K per scale / offset in a CodedF32
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
@@ -76,6 +85,58 @@ class PanelledF32:
         raise TypeError("PanelledF32 supports only [...] indexing")
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scale", "offset"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CodedF32:
+    """A float32 [K, N] weight whose values are exactly ``scale * code + offset`` (the
+    product rounded, then the sum) per block of 32 rows of a column, stored as those codes:
+    ``codes`` int8 [N/16, K, 16] (panel-major as PanelledF32), ``scale`` / ``offset`` f32
+    [N/16, K/32, 16]. A GGUF's Q4_1 / Q8_0 weights dequantized to float32 are such values
+    (pallas_kernels/f32_matmul/codes.py finds them and checks every one). The kernel turns
+    each panel back into those floats before its FMA chains, so every product is bitwise the
+    float32 weight's; 1.25 bytes a weight instead of 4. Why: the default model's float32
+    weights were 513 of the engine's ~1,400 MiB resident (issue 16)."""
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n_panels, k, p = self.codes.shape
+        return (k, n_panels * p)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(jnp.float32)      # what it computes as: the float32 weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (self.codes, self.scale, self.offset))
+
+    def panelled(self) -> PanelledF32:
+        """The float32 weight itself, panel-major (the kernel's own dequantization)."""
+        out = jax.ShapeDtypeStruct(self.codes.shape, jnp.float32)
+        return PanelledF32(jax.ffi.ffi_call(TARGET_DEQUANT, out)(self.codes, self.scale, self.offset))
+
+    def unpanelled(self) -> jax.Array:
+        """The float32 weight in the plain [K, N] layout."""
+        return self.panelled().unpanelled()
+
+    def columns_as_rows(self, cols: jax.Array) -> jax.Array:
+        """cols i32[T] -> f32 [T, K]: columns of the weight (a tied LM head's embedding rows)."""
+        out = jax.ShapeDtypeStruct((cols.shape[0], self.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(TARGET_CODES_ROWS, out)(cols.astype(jnp.int32), self.codes, self.scale,
+                                                        self.offset)
+
+    def __getitem__(self, key: Any) -> "CodedF32":
+        """``param[...]`` (how a model reads its weights) returns the weight itself."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("CodedF32 supports only [...] indexing")
+
+
 def panel(w: jax.Array) -> PanelledF32 | jax.Array:
     """A float32 [K, N] weight in the panel-major layout (``PanelledF32``); a weight whose N
     is not a multiple of 16 stays as it is (the kernel's plain path serves it)."""
@@ -92,11 +153,11 @@ available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_re
 
 
 @functools.partial(jax.jit, inline=True)
-def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32) -> jax.Array:
-    """x f32 [M, K] @ w f32 [K, N] (plain or a ``PanelledF32``) -> f32 [M, N], each output one
-    k-ordered FMA chain, the same bits for either layout. Call ``available()`` first: it
-    registers the kernel."""
-    panelled = isinstance(w, PanelledF32)
+def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32 | CodedF32) -> jax.Array:
+    """x f32 [M, K] @ w f32 [K, N] (plain, a ``PanelledF32`` or a ``CodedF32``) -> f32 [M, N],
+    each output one k-ordered FMA chain, the same bits for every layout. Call ``available()``
+    first: it registers the kernel."""
+    panelled = isinstance(w, (PanelledF32, CodedF32))
     if x.ndim != 2 or (not panelled and w.ndim != 2):
         raise ValueError(f"f32_matmul: expected x [M, K] and w [K, N], got x {x.shape}, w {w.shape}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -105,12 +166,15 @@ def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32) -> jax.Array:
     if x.shape[1] != K:
         raise ValueError(f"x: expected [M, K={K}] (K = w.shape[0]), got shape {x.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32)
+    if isinstance(w, CodedF32):
+        return jax.ffi.ffi_call(TARGET_CODES, out)(x, w.codes, w.scale, w.offset)
     if panelled:
         return jax.ffi.ffi_call(TARGET_PANELS, out)(x, w.panels)
     return jax.ffi.ffi_call(TARGET, out)(x, w)
 
 
-def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32], layer: jax.Array) -> jax.Array:
+def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF32],
+                     layer: jax.Array) -> jax.Array:
     """x f32 [M, K] @ ws[layer] -> f32 [M, N], the same bits as ``f32_matmul(x, ws[layer])``.
     ``ws``: every layer's weight, all of one shape and layout; ``layer``: a traced i32
     scalar (e.g. a ``lax.fori_loop`` index). Each weight is an operand of its own and the
@@ -120,16 +184,18 @@ def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32], layer:
     ws = list(ws)
     if not ws:
         raise ValueError("f32_matmul_layer: needs at least one weight")
-    panelled = isinstance(ws[0], PanelledF32)
-    if any(isinstance(w, PanelledF32) != panelled or w.shape != ws[0].shape or w.dtype != jnp.float32
-           for w in ws):
+    kind = type(ws[0])
+    if any(type(w) is not kind or w.shape != ws[0].shape or w.dtype != jnp.float32 for w in ws):
         raise ValueError("f32_matmul_layer: every weight must be float32 of one shape and layout, got "
                          f"{sorted({(tuple(w.shape), str(w.dtype), type(w).__name__) for w in ws})}")
     if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] != ws[0].shape[0]:
         raise ValueError(f"f32_matmul_layer: x must be float32 [M, K={ws[0].shape[0]}], got {x.dtype} {x.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[1]), jnp.float32)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if panelled else w for w in ws])
+    if kind is CodedF32:
+        return jax.ffi.ffi_call(TARGET_LAYER_CODES, out)(
+            x, idx, *[w.codes for w in ws], *[w.scale for w in ws], *[w.offset for w in ws])
+    return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if kind is PanelledF32 else w for w in ws])
 
 
 def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:

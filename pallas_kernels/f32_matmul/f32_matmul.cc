@@ -16,7 +16,12 @@
 // computes it or on which rows share the call: bitwise batch-invariant by construction.
 //
 // w comes in its stored [K, N] layout or panel-major [N/16][K][16] (cpu_f32_matmul.panel,
-// what the engine's float models use: each 16-column panel one sequential stream).
+// what the engine's float models use: each 16-column panel one sequential stream), or
+// panel-major as codes (cpu_f32_matmul.CodedF32: a float32 weight whose values are exactly
+// scale * code + offset per 32-row block of a column, e.g. dequantized from a GGUF's Q4_1 /
+// Q8_0 blocks): a unit first turns its panels back into those very floats (dequant_panels,
+// no FMA contraction) in a thread-local buffer, then runs the same tiles on it, so the
+// bits are those of the float32 weight while 1.25 bytes a weight stream instead of 4.
 //
 //  * decode, M <= 3: rows x 8C-column register tiles run down the whole of K straight
 //    from w, so the weights stream from memory once at bandwidth (what bounds decode).
@@ -113,7 +118,47 @@ struct Mat {
   float* y;        // [M, N]
   int64_t M, K, N;
   bool panelled = false;
+  // A CodedF32 (then w is null, panelled true): codes [N/16][K][16], scale and offset
+  // [N/16][K/32][16]; w[k, n] = scale * code + offset of its block (dequant_panels).
+  const int8_t* codes = nullptr;
+  const float* scale = nullptr;
+  const float* offset = nullptr;
 };
+
+constexpr int64_t kCodeBlock = 32;   // rows of K per scale / offset
+
+// Panels [j0, j0 + count) of a coded w as floats, [count][K][16] at out: each value
+// scale * float(code) + offset, the product rounded before the add (no FMA contraction:
+// the same two roundings as the numpy / ggml dequantizers, so the same floats).
+__attribute__((optimize("fp-contract=off")))
+void dequant_panels(const Mat& p, int64_t j0, int64_t count, float* __restrict out) {
+  const int64_t blocks = p.K / kCodeBlock;
+  for (int64_t j = j0; j < j0 + count; ++j) {
+    const int8_t* c = p.codes + j * p.K * kNR;
+    const float* sc = p.scale + j * blocks * kNR;
+    const float* of = p.offset + j * blocks * kNR;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256 s0 = _mm256_loadu_ps(sc + b * kNR), s1 = _mm256_loadu_ps(sc + b * kNR + 8);
+      const __m256 o0 = _mm256_loadu_ps(of + b * kNR), o1 = _mm256_loadu_ps(of + b * kNR + 8);
+      for (int64_t k = b * kCodeBlock; k < (b + 1) * kCodeBlock; ++k) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * kNR));
+        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+        _mm256_store_ps(out + k * kNR, _mm256_add_ps(_mm256_mul_ps(s0, f0), o0));
+        _mm256_store_ps(out + k * kNR + 8, _mm256_add_ps(_mm256_mul_ps(s1, f1), o1));
+      }
+    }
+    out += p.K * kNR;
+  }
+}
+
+// A thread's buffer for `count` dequantized panels, 64-byte aligned.
+float* panel_buffer(const Mat& p, int64_t count) {
+  static thread_local std::vector<float> buf;
+  const int64_t need = count * p.K * kNR + 16;
+  if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
 
 // Panel j of a panelled w from row k on: 16 floats a row, rows contiguous.
 inline const float* panel_at(const Mat& p, int64_t j, int64_t k) {
@@ -215,13 +260,13 @@ void scalar_cols(const Mat& p, int64_t n0, int64_t n1) {
 
 // Panelled w, rows [m0, m0 + R) x panels [j0, j0 + C), the whole of K: each panel is one
 // sequential stream (64 bytes a k), so C streams run at bandwidth without a copy.
+// `w`: panel j0's first row (in p.w, or a buffer of dequantized panels).
 template <int R, int C>
-void panel_decode_tile(const Mat& p, int64_t m0, int64_t j0) {
+void panel_decode_tile(const Mat& p, int64_t m0, int64_t j0, const float* w) {
   __m256 acc[R][2 * C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_setzero_ps();
   const float* x = p.x + m0 * p.K;
-  const float* w = panel_at(p, j0, 0);
   const int64_t stride = p.K * kNR;   // floats from one panel to the next
   for (int64_t k = 0; k < p.K; ++k) {
     __m256 xb[R];
@@ -243,9 +288,9 @@ void panel_decode_tile(const Mat& p, int64_t m0, int64_t j0) {
 
 // Panels [j0, j0 + count) of rows [m0, m0 + R), count <= CMax.
 template <int R, int CMax>
-void panel_decode_cols(const Mat& p, int64_t m0, int64_t j0, int64_t count) {
-  if (count == CMax) return panel_decode_tile<R, CMax>(p, m0, j0);
-  if constexpr (CMax > 1) panel_decode_cols<R, CMax - 1>(p, m0, j0, count);
+void panel_decode_cols(const Mat& p, int64_t m0, int64_t j0, int64_t count, const float* w) {
+  if (count == CMax) return panel_decode_tile<R, CMax>(p, m0, j0, w);
+  if constexpr (CMax > 1) panel_decode_cols<R, CMax - 1>(p, m0, j0, count, w);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -370,9 +415,12 @@ void pack_x(const Mat& p, const RowTiles& tiles, float* xp, int64_t t) {
 // L1/L2 across the row tiles; the packed x streams from L2 (L3 for M x K past 512 KiB).
 void gemm_unit_panelled(const Mat& p, const float* xp, int64_t j0, int64_t panels) {
   const RowTiles rt(p.M);
+  float* coded = p.codes ? panel_buffer(p, 1) : nullptr;
   for (int64_t j = j0; j < j0 + panels; ++j) {
-    const float* b = panel_at(p, j, 0);
-    const float* next = j + 1 < j0 + panels ? panel_at(p, j + 1, 0) : nullptr;
+    if (coded) dequant_panels(p, j, 1, coded);
+    const float* b = coded ? coded : panel_at(p, j, 0);
+    // (a coded w's next panel is dequantized from L1-sized codes: nothing to prefetch)
+    const float* next = j + 1 < j0 + panels && !coded ? panel_at(p, j + 1, 0) : nullptr;
     // Each tile prefetches its slice of the next panel, spread over its k loop, so the
     // weights stream in while the FMAs run (one thread, M = 32, K = 576: ~88 GF/s against
     // ~70 without; slices only in tiles 1.. gave ~79).
@@ -463,8 +511,10 @@ void panel_decode_units(Work& work, const Mat& p) {
   const int64_t panels = p.N / kNR;
   work.units = (panels + C - 1) / C;
   work.run = [p, panels](int64_t u) {
-    const int64_t j0 = u * C;
-    panel_decode_cols<R, C>(p, 0, j0, std::min<int64_t>(C, panels - j0));
+    const int64_t j0 = u * C, count = std::min<int64_t>(C, panels - j0);
+    const float* w = p.codes ? panel_buffer(p, count) : panel_at(p, j0, 0);
+    if (p.codes) dequant_panels(p, j0, count, const_cast<float*>(w));
+    panel_decode_cols<R, C>(p, 0, j0, count, w);
   };
 }
 
@@ -601,6 +651,92 @@ ffi::Error F32MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
+// A coded w's three arrays checked against x [M, K] (K = 0: any K): codes [P, K, 16] int8,
+// scale and offset [P, K/32, 16] f32. Fills p's w fields; the error names what is wrong.
+ffi::Error coded_mat(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scale,
+                     ffi::Buffer<ffi::F32> offset, int64_t K, Mat& p) {
+  const auto cd = codes.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  if (cd.size() != 3 || cd[2] != kNR || (K && cd[1] != K) || cd[1] % kCodeBlock)
+    return ffi::Error::InvalidArgument("coded f32 weight: codes must be int8 [N/16, K, 16], K a multiple of 32");
+  if (sd.size() != 3 || od.size() != 3 || sd[0] != cd[0] || sd[1] != cd[1] / kCodeBlock || sd[2] != kNR ||
+      od[0] != sd[0] || od[1] != sd[1] || od[2] != kNR)
+    return ffi::Error::InvalidArgument("coded f32 weight: scale and offset must be f32 [N/16, K/32, 16]");
+  p.K = cd[1];
+  p.N = cd[0] * kNR;
+  p.panelled = true;
+  p.w = nullptr;
+  p.codes = codes.typed_data();
+  p.scale = scale.typed_data();
+  p.offset = offset.typed_data();
+  return ffi::Error::Success();
+}
+
+// x [M, K] @ a coded w: the same FMA chains as on its float32 panels.
+ffi::Error F32MatmulCodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                              ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("f32_matmul_codes: expected x [M, K]");
+  Mat p{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], 0};
+  if (auto e = coded_mat(codes, scale, offset, xd[1], p); !e.success()) return e;
+  matmul(pool, p);
+  return ffi::Error::Success();
+}
+
+// The layer loop's form for coded weights: x, layer i32[1], then codes_0 .. codes_{L-1},
+// scale_0 .., offset_0 .. (3L operands, one shape), as F32MatmulLayerImpl.
+ffi::Error F32MatmulLayerCodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                   ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
+  if (layer.element_count() != 1) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: layer must be one i32");
+  if (ws.size() % 3) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected 3 operands a layer");
+  const int64_t L = ws.size() / 3, l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: layer index out of range");
+  auto codes = ws.get<ffi::Buffer<ffi::S8>>(l);
+  auto scale = ws.get<ffi::Buffer<ffi::F32>>(L + l), offset = ws.get<ffi::Buffer<ffi::F32>>(2 * L + l);
+  if (!codes || !scale || !offset)
+    return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected int8 codes, then f32 scales and offsets");
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected x [M, K]");
+  Mat p{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], 0};
+  if (auto e = coded_mat(*codes, *scale, *offset, xd[1], p); !e.success()) return e;
+  if (y->dimensions()[0] != p.M || y->dimensions()[1] != p.N)
+    return ffi::Error::InvalidArgument("f32_matmul_layer_codes: the output is not [M, N] of this layer's weight");
+  matmul(pool, p);
+  return ffi::Error::Success();
+}
+
+// A coded w's float32 panels [P, K, 16]: the very floats the matmul above computes with
+// (the engine checks a weight's codes against its floats with this before using them).
+ffi::Error CodesDequantImpl(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  Mat p{nullptr, nullptr, nullptr, 0, 0, 0};
+  if (auto e = coded_mat(codes, scale, offset, 0, p); !e.success()) return e;
+  dequant_panels(p, 0, p.N / kNR, y->typed_data());
+  return ffi::Error::Success();
+}
+
+// Columns `tokens` of a coded w [K, N] as rows y [T, K] (a tied model's embedding rows
+// read from its coded LM head), each value as dequant_panels makes it.
+__attribute__((optimize("fp-contract=off")))
+ffi::Error CodesRowsImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scale,
+                         ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  Mat p{nullptr, nullptr, nullptr, 0, 0, 0};
+  if (auto e = coded_mat(codes, scale, offset, 0, p); !e.success()) return e;
+  const int64_t T = tokens.element_count(), blocks = p.K / kCodeBlock;
+  const int32_t* t = tokens.typed_data();
+  float* out = y->typed_data();
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t n = std::clamp<int64_t>(t[i], 0, p.N - 1);   // as jnp indexing clamps
+    const int64_t j = n / kNR, c = n % kNR;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const int64_t s = (j * blocks + k / kCodeBlock) * kNR + c;
+      const float prod = p.scale[s] * static_cast<float>(p.codes[(j * p.K + k) * kNR + c]);
+      out[i * p.K + k] = prod + p.offset[s];
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // Row sums in jaxinfer/reductions.py's fixed pairwise order (jaxinfer_row_sum): the
 // row is folded in halves, x[i] += x[i + half], an odd length first padded with one 0,
 // until one value is left: the same IEEE adds on the same operands as the jnp version,
@@ -694,4 +830,38 @@ JAXINFER_FFI_HANDLER(JaxinferRowSumSquares, f) {
   auto y = f.ret<ffi::F32>(0);
   if (!f.ok(1, 1)) return f.error();
   return RowSumImpl<true>(x, y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferF32MatmulCodes, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto codes = f.arg<ffi::S8>(1);
+  auto scale = f.arg<ffi::F32>(2), offset = f.arg<ffi::F32>(3);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(4, 1)) return f.error();
+  return F32MatmulCodesImpl(f.pool(), x, codes, scale, offset, y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferF32MatmulLayerCodes, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto layer = f.arg<ffi::S32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
+  return F32MatmulLayerCodesImpl(f.pool(), x, layer, f.args_from(2), y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferCodesDequant, f) {
+  auto codes = f.arg<ffi::S8>(0);
+  auto scale = f.arg<ffi::F32>(1), offset = f.arg<ffi::F32>(2);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(3, 1)) return f.error();
+  return CodesDequantImpl(codes, scale, offset, y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferCodesRows, f) {
+  auto tokens = f.arg<ffi::S32>(0);
+  auto codes = f.arg<ffi::S8>(1);
+  auto scale = f.arg<ffi::F32>(2), offset = f.arg<ffi::F32>(3);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(4, 1)) return f.error();
+  return CodesRowsImpl(tokens, codes, scale, offset, y);
 }

@@ -663,6 +663,11 @@ class EngineConfig:
     # executable holds one layer instead of all of them (smaller, faster to trace and
     # compile), the same tokens; elsewhere the layers unroll. False: always unroll.
     layer_loop: bool = True
+    # Float32 matmul weights whose values are exactly a block-quantized checkpoint's (a
+    # GGUF's Q4_1 / Q8_0, dequantized by the loader) kept as those codes, 1.25 bytes a
+    # weight instead of 4 (pallas_kernels/f32_matmul/codes.py): the CPU f32 kernel computes
+    # with the very same floats, so the same bits. False: keep the floats.
+    weight_codes: bool = True
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
     MAX_LORA_RANK = 64

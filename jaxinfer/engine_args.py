@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run the model's identical layers as one loop where the CPU kernels allow "
                         "it (one layer per compiled step instead of all: smaller, faster to compile, "
                         "the same tokens); --no-layer-loop unrolls them")
+    p.add_argument("--weight-codes", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep float32 weights that a GGUF dequantized from Q4_1 / Q8_0 blocks as those "
+                        "exact codes (1.25 bytes a weight instead of 4; the kernel computes with the "
+                        "same floats, so the same tokens); --no-weight-codes keeps the floats")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=["ngram", "self", "draft"], default=None,
                    help="propose tokens and verify them in one step (greedy and seeded outputs "
@@ -184,7 +188,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         device_weight_memory=args.device_weight_memory,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         enable_prompt_logprobs=args.enable_prompt_logprobs, min_sampler_rows=args.min_sampler_rows,
-        layer_loop=args.layer_loop,
+        layer_loop=args.layer_loop, weight_codes=args.weight_codes,
         **speculative_options(args),
         **lora_options(args))
 

@@ -136,7 +136,7 @@ def _f32_kernel_weight(w) -> bool:
     return not hasattr(w, "scales") and f32_kernel_applies(w)
 
 
-def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Module:
+def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False, codes: bool = True) -> nnx.Module:
     """The module laid out for the CPU f32 kernel (pallas_kernels/f32_matmul/cpu.py): a new
     one (the given one untouched) or, ``in_place``, the given one, each weight replaced as
     it is converted (no second copy of the model at any time); the module itself where the
@@ -149,7 +149,7 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
       reads without the per-call copy: the same bits, 15-40% faster at decode batch sizes;
     * a weight whose floats are exactly a block-quantized checkpoint's (a GGUF's Q4_1 /
       Q8_0, dequantized by the loader) is kept as those codes (``CodedF32``): the kernel
-      computes with the very same floats, at 1.25 bytes a weight instead of 4.
+      computes with the very same floats, at 1.25 bytes a weight instead of 4 (``codes``).
 
     Single-device models only (a fused or panelled weight would shard differently)."""
     from jaxinfer.matmul import f32_kernel_applies
@@ -163,7 +163,8 @@ def prepare_float_for_cpu(model: nnx.Module, in_place: bool = False) -> nnx.Modu
         value = param.get_value()
         if isinstance(value, jax.Array) and value.dtype == jnp.float32:
             param.set_value(_panel(value))
-    return code_weights(tie_embedding(model))
+    model = tie_embedding(model)
+    return code_weights(model) if codes else model
 
 
 def code_weights(model: nnx.Module) -> nnx.Module:
@@ -253,11 +254,12 @@ def _same_transposed(table: jax.Array, head: jax.Array) -> jax.Array:
     return jnp.array_equal(table.T, head)
 
 
-def prepare_for_engine(model: nnx.Module, mode: str | None, in_place: bool = False) -> nnx.Module:
+def prepare_for_engine(model: nnx.Module, mode: str | None, in_place: bool = False,
+                       codes: bool = True) -> nnx.Module:
     """The single-device model as the engine runs it: quantized (``mode``), or a float32
-    model laid out for the CPU f32 kernel (``prepare_float_for_cpu``)."""
+    model laid out for the CPU f32 kernel (``prepare_float_for_cpu``, ``codes`` too)."""
     model = quantize_model(model, mode, in_place)
-    return model if mode else prepare_float_for_cpu(model, in_place)
+    return model if mode else prepare_float_for_cpu(model, in_place, codes)
 
 
 def is_quantized(model: nnx.Module) -> bool:

@@ -159,11 +159,10 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
     """A GGUF's Q8_0 / Q4_1 matrices, dequantized to float32 by the loader, are prepared as
     their exact codes (CodedF32, pallas_kernels/f32_matmul/codes.py): saved, mapped back by
     the second load, and the model's logits are bitwise those of the same model prepared
-    as float32 panels (codes refused)."""
+    as float32 panels (``codes=False``, a cache entry of its own)."""
     import gguf
 
     from jaxinfer.reference import ReferenceGenerator
-    from pallas_kernels.f32_matmul import codes
     from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32, available
 
     assert available()
@@ -179,8 +178,9 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
     for p in a:
         for x, y in zip(a[p][1], b[p][1], strict=True):
             np.testing.assert_array_equal(x, y, err_msg=str(p))
-    monkeypatch.setattr(codes, "encode", lambda w: None)
-    floats = load_prepared(str(path), "float32", None, None)
+    calls = _loads_from_source(monkeypatch)
+    floats = load_prepared(str(path), "float32", None, cache, codes=False)    # EngineConfig.weight_codes
+    assert calls == [str(path)]                       # not the coded entry
     assert isinstance(floats.model.layers[0].wo.get_value(), PanelledF32)
     ids = list(range(2, 40))
     np.testing.assert_array_equal(ReferenceGenerator(second.model).logits(ids),

@@ -115,14 +115,15 @@ def engine_models(config: EngineConfig, model: str | None, loaded: Any, meshes: 
     if loaded is None and not meshes:
         from jaxinfer.loading.prepared import load_prepared
 
-        loaded = load_prepared(model, config.dtype, config.quantization, config.weight_cache_dir)
+        loaded = load_prepared(model, config.dtype, config.quantization, config.weight_cache_dir,
+                               codes=config.weight_codes)
         return loaded, [loaded.model]
     if loaded is None:
         loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
     if meshes:
         models = [quantize_model(m, config.quantization) for m in place_replicas(loaded, meshes)]
     else:
-        models = [prepare_for_engine(loaded.model, config.quantization)]
+        models = [prepare_for_engine(loaded.model, config.quantization, codes=config.weight_codes)]
     return dataclasses.replace(loaded, model=models[0]), models
 
 

@@ -21,17 +21,17 @@ log = logging.getLogger("jaxinfer")
 
 
 def load_prepared(model: str | None, dtype: str, quantization: str | None,
-                  cache_dir: str | None) -> LoadedModel:
-    """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels;
-    through the weight cache ``cache_dir`` (EngineConfig.weight_cache_dir) unless it is
-    None / ""."""
+                  cache_dir: str | None, codes: bool = True) -> LoadedModel:
+    """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels
+    (``codes``: EngineConfig.weight_codes); through the weight cache ``cache_dir``
+    (EngineConfig.weight_cache_dir) unless it is None / ""."""
     from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
     from jaxinfer.quantization import prepare_for_engine
 
     t0 = time.perf_counter()
     cache_dir = weight_cache.resolve_dir(cache_dir)
     source = model_path(model)
-    options = {"dtype": dtype, "quantization": quantization}
+    options = {"dtype": dtype, "quantization": quantization, "weight_codes": codes}
     key = weight_cache.cache_key(source, options) if cache_dir else None
     if key:
         hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
@@ -41,7 +41,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
             return hit
     with large_blocks_mapped():
         loaded = load_model(model, dtype)
-        loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True)
+        loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
     release_host_memory()
     if key:
         weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype))

@@ -343,6 +343,13 @@ def test_engine_matches_hf_on_default_model():
     hf = hf_default_model()
 
     engine = Engine(loaded=loaded, progress=False, **DEFAULT_MODEL_ENGINE_KW)
+    # The GGUF's Q4_1 layers and Q8_0 head run as their exact codes (EngineConfig.weight_codes,
+    # pallas_kernels/f32_matmul/codes.py), HF on the dequantized floats: the same tokens.
+    from pallas_kernels.f32_matmul.cpu import CodedF32
+
+    model = engine.loaded.model
+    assert all(isinstance(getattr(layer, n).get_value(), CodedF32) for layer in model.layers
+               for n in ("wqkv", "wo", "w_gate_up", "w_down")) and isinstance(model.lm_head.get_value(), CodedF32)
     run = run_engine(engine, prompts, max_tokens, seed=0)
     check_run(run, len(prompts))
     errors = compare_with_hf(hf, run, prompts, max_tokens)

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.f32_matmul.cpu import CODE_BLOCK, TARGET_DEQUANT, CodedF32, PanelledF32
 
@@ -31,7 +32,7 @@ def encode(w: PanelledF32) -> CodedF32 | None:
     """``w`` as a CodedF32 that dequantizes to exactly its floats, or None (some block has no
     such codes, or K is not a multiple of 32). The kernel must be available (registered)."""
     P, K, _ = w.panels.shape
-    if K % CODE_BLOCK or P == 0:
+    if K % CODE_BLOCK or P == 0 or not _first_block_has_codes(np.asarray(w.panels[0, :CODE_BLOCK])):
         return None
     parts = []
     for p0 in range(0, P, CHUNK):
@@ -46,6 +47,23 @@ def encode(w: PanelledF32) -> CodedF32 | None:
     if len(parts) == 1:
         return CodedF32(*parts[0])
     return CodedF32(*(jnp.concatenate(a) for a in zip(*parts)))
+
+
+def _first_block_has_codes(v: np.ndarray) -> bool:
+    """The first block [32, 16] checked in numpy (which never contracts into an FMA), so a
+    float weight of another origin (random, trained, bf16) is passed over without compiling
+    the full check; a yes here is only a first filter (the kernel's check decides)."""
+    lo, hi = v.min(axis=0), v.max(axis=0)
+    amax = np.abs(v).max(axis=0)
+    ok = np.zeros(v.shape[1], bool)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for offset, scale, qmin, qmax in ((lo, (hi - lo) / np.float32(15), 0, 15),
+                                          (np.zeros_like(lo), amax / np.float32(127), -127, 127)):
+            scale = scale.astype(np.float16).astype(np.float32)
+            q = np.clip(np.round((v - offset) / np.where(scale == 0, 1, scale)), qmin, qmax)
+            q = np.where(scale == 0, 0, q).astype(np.float32)
+            ok |= ((scale * q + offset).view(np.uint32) == v.view(np.uint32)).all(axis=0)
+    return bool(ok.all())
 
 
 def _f16(x: jax.Array) -> jax.Array:

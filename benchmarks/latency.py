@@ -99,6 +99,9 @@ def main() -> None:
     p.add_argument("--compare-invariance", action="store_true",
                    help="also run an engine with the other batch_invariant setting (same run, "
                         "interleaved) and report the cost of invariance")
+    p.add_argument("--compare-weight-codes", action="store_true",
+                   help="also run an engine with float32 weights instead of their exact codes "
+                        "(weight_codes=False; same run, interleaved) and report both")
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=640)
@@ -140,8 +143,12 @@ def main() -> None:
     engine_request(engine, pre["ids"], 1)
     res["engine_first_run_s"] = time.perf_counter() - t0
     other = None
-    if args.compare_invariance:
-        ocfg = dict(cfg, batch_invariant=not args.batch_invariant)
+    if args.compare_invariance and args.compare_weight_codes:
+        raise SystemExit("--compare-invariance and --compare-weight-codes: one comparison a run")
+    if args.compare_invariance or args.compare_weight_codes:
+        change = ({"batch_invariant": not args.batch_invariant} if args.compare_invariance
+                  else {"weight_codes": False})
+        ocfg = dict(cfg, **change)
         other = Engine(loaded=loaded, progress=False, **ocfg)
         res["other_compile_s"] = other.compile_seconds
         engine_request(other, dec["ids"][:8], 2)
@@ -198,6 +205,17 @@ def main() -> None:
     ]
     if other is not None:
         xd, xp = best(other_dec, "decode_tok_s", lower=False), best(other_pre, "ttft_s")
+    if other is not None and args.compare_weight_codes:
+        res["other"] = {"weight_codes": False, "decode": xd, "prefill": xp,
+                        "all_decode": other_dec, "all_prefill": other_pre}
+        rows += [
+            ("other (weight_codes=False: float32 weights)",
+             f"decode {xd['decode_tok_s']:.1f} tok/s (device {xd['device_ms_per_step']:.1f} ms/step), "
+             f"TTFT 512 {xp['ttft_s'] * 1e3:.0f} ms; compile {res['other_compile_s']:.1f} s"),
+            ("codes / floats", f"decode {od['decode_tok_s'] / xd['decode_tok_s']:.3f}x, TTFT-512 "
+                               f"{op['ttft_s'] / xp['ttft_s']:.3f}; tokens identical: {xd['token_ids'] == od['token_ids']}"),
+        ]
+    if other is not None and args.compare_invariance:
         inv_d, fast_d = (od, xd) if args.batch_invariant else (xd, od)
         inv_p, fast_p = (op, xp) if args.batch_invariant else (xp, op)
         res["other"] = {"batch_invariant": not args.batch_invariant, "decode": xd, "prefill": xp,

@@ -35,6 +35,7 @@ TARGET_CODES = "jaxinfer_f32_matmul_codes"
 TARGET_LAYER_CODES = "jaxinfer_f32_matmul_layer_codes"
 TARGET_DEQUANT = "jaxinfer_codes_dequant"
 TARGET_CODES_ROWS = "jaxinfer_codes_rows"
+TARGET_ENCODE = "jaxinfer_codes_encode"
 _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
                                              TARGET_PANELS: "JaxinferF32MatmulPanels",
                                              TARGET_LAYER: "JaxinferF32MatmulLayer",
@@ -43,7 +44,8 @@ _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matm
                                              TARGET_CODES: "JaxinferF32MatmulCodes",
                                              TARGET_LAYER_CODES: "JaxinferF32MatmulLayerCodes",
                                              TARGET_DEQUANT: "JaxinferCodesDequant",
-                                             TARGET_CODES_ROWS: "JaxinferCodesRows"}, "f32 matmul")
+                                             TARGET_CODES_ROWS: "JaxinferCodesRows",
+                                             TARGET_ENCODE: "JaxinferCodesEncode"}, "f32 matmul")
 PANEL = 16   # columns per panel: the GEMM's register tile width
 CODE_BLOCK = 32   # rows of K per scale / offset in a CodedF32
 

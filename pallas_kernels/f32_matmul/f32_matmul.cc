@@ -737,6 +737,72 @@ ffi::Error CodesRowsImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S8> code
   return ffi::Error::Success();
 }
 
+// A float rounded to float16 precision (as numpy's astype(float16): nearest, ties to even).
+#ifdef __F16C__
+inline float to_f16_precision(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+#endif
+
+// Codes for a float32 panel-major weight [P, K, 16] (pallas_kernels/f32_matmul/codes.py):
+// per block of 32 rows of a column, the first candidate that gives back every value bit
+// for bit through dequant_panels' formula (scale * code, rounded, + offset, rounded):
+//   affine:    offset = the block's min, scale = (max - min) / 15 at float16 precision,
+//              codes 0..15 (a GGUF's Q4_1);
+//   symmetric: offset 0, scale = max |v| / 127 at float16 precision, codes -127..127 (Q8_0).
+// ok[0] = 1 if every block has codes, else 0 (the weight then stays float32).
+__attribute__((optimize("fp-contract=off")))
+ffi::Error CodesEncodeImpl(ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::S8> codes,
+                           ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> offset,
+                           ffi::ResultBuffer<ffi::S32> ok) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || wd[2] != kNR || wd[1] % kCodeBlock)
+    return ffi::Error::InvalidArgument("codes_encode: expected w f32 [N/16, K, 16], K a multiple of 32");
+  int32_t* good = ok->typed_data();
+  good[0] = 0;
+#ifdef __F16C__
+  const int64_t blocks = wd[0] * (wd[1] / kCodeBlock);
+  const float* v = w.typed_data();
+  int8_t* q = codes->typed_data();
+  float* sc = scale->typed_data();
+  float* of = offset->typed_data();
+  for (int64_t b = 0; b < blocks; ++b) {            // blocks are [32][16] runs of w
+    const float* vb = v + b * kCodeBlock * kNR;
+    for (int64_t c = 0; c < kNR; ++c) {
+      float lo = vb[c], hi = vb[c], amax = std::fabs(vb[c]);
+      for (int64_t k = 1; k < kCodeBlock; ++k) {
+        const float x = vb[k * kNR + c];
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+        amax = std::max(amax, std::fabs(x));
+      }
+      bool found = false;
+      for (int cand = 0; cand < 2 && !found; ++cand) {
+        const float o = cand == 0 ? lo : 0.0f;
+        const float s = to_f16_precision(cand == 0 ? (hi - lo) / 15.0f : amax / 127.0f);
+        const float qmin = cand == 0 ? 0.0f : -127.0f, qmax = cand == 0 ? 15.0f : 127.0f;
+        if (!std::isfinite(s) || !std::isfinite(o)) continue;
+        found = true;
+        for (int64_t k = 0; k < kCodeBlock && found; ++k) {
+          const float x = vb[k * kNR + c];
+          const float code = s == 0.0f ? 0.0f : std::clamp(std::nearbyint((x - o) / s), qmin, qmax);
+          const float prod = s * code;
+          const float back = prod + o;
+          uint32_t bx, bb;
+          std::memcpy(&bx, &x, 4);
+          std::memcpy(&bb, &back, 4);
+          found = bx == bb;
+          q[b * kCodeBlock * kNR + k * kNR + c] = static_cast<int8_t>(code);
+        }
+        sc[b * kNR + c] = s;
+        of[b * kNR + c] = o;
+      }
+      if (!found) return ffi::Error::Success();      // good[0] stays 0
+    }
+  }
+  good[0] = 1;
+#endif
+  return ffi::Error::Success();
+}
+
 // Row sums in jaxinfer/reductions.py's fixed pairwise order (jaxinfer_row_sum): the
 // row is folded in halves, x[i] += x[i + half], an odd length first padded with one 0,
 // until one value is left: the same IEEE adds on the same operands as the jnp version,
@@ -864,4 +930,13 @@ JAXINFER_FFI_HANDLER(JaxinferCodesRows, f) {
   auto y = f.ret<ffi::F32>(0);
   if (!f.ok(4, 1)) return f.error();
   return CodesRowsImpl(tokens, codes, scale, offset, y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferCodesEncode, f) {
+  auto w = f.arg<ffi::F32>(0);
+  auto codes = f.ret<ffi::S8>(0);
+  auto scale = f.ret<ffi::F32>(1), offset = f.ret<ffi::F32>(2);
+  auto ok = f.ret<ffi::S32>(3);
+  if (!f.ok(1, 4)) return f.error();
+  return CodesEncodeImpl(w, codes, scale, offset, ok);
 }

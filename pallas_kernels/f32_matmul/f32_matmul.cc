@@ -512,9 +512,9 @@ void panel_decode_units(Work& work, const Mat& p) {
   work.units = (panels + C - 1) / C;
   work.run = [p, panels](int64_t u) {
     const int64_t j0 = u * C, count = std::min<int64_t>(C, panels - j0);
-    const float* w = p.codes ? panel_buffer(p, count) : panel_at(p, j0, 0);
-    if (p.codes) dequant_panels(p, j0, count, const_cast<float*>(w));
-    panel_decode_cols<R, C>(p, 0, j0, count, w);
+    float* coded = p.codes ? panel_buffer(p, count) : nullptr;
+    if (coded) dequant_panels(p, j0, count, coded);
+    panel_decode_cols<R, C>(p, 0, j0, count, coded ? coded : panel_at(p, j0, 0));
   };
 }
 

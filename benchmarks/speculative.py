@@ -23,6 +23,7 @@ without speculation (it turns itself off above ``speculative_disable_by_batch_si
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -73,11 +74,14 @@ def method_options(method: str, quant: str | None, k: int, draft_model: str | No
     return spec
 
 
+WEIGHT_CODES = True    # --no-weight-codes: float32 targets keep their floats (EngineConfig.weight_codes)
+
+
 def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
     from jaxinfer.engine.engine import Engine
 
     return Engine(loaded=loaded, progress=False, quantization=quant, max_num_seqs=max_num_seqs,
-                  max_model_len=1024, enable_prefix_caching=False, **spec)
+                  max_model_len=1024, enable_prefix_caching=False, weight_codes=WEIGHT_CODES, **spec)
 
 
 def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:
@@ -203,7 +207,11 @@ def main() -> None:
     p.add_argument("--throughput", action="store_true", help="also batch 32 on the throughput workload")
     p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp plain vs its prompt-lookup decoding")
     p.add_argument("--llama-cpp-lookup", type=int, default=10, help="llama.cpp lookup tokens per draft")
+    p.add_argument("--weight-codes", action=argparse.BooleanOptionalAction, default=True,
+                   help="float32 targets as their exact weight codes (the engine's default) or as floats")
     args = p.parse_args()
+    global WEIGHT_CODES
+    WEIGHT_CODES = args.weight_codes
     if args.quick:
         args.prompts, args.new_tokens = 1, 64
     methods = [m for m in args.methods.split(",") if m]

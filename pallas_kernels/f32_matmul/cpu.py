@@ -32,7 +32,6 @@ TARGET_LAYER = "jaxinfer_f32_matmul_layer"
 TARGET_ROW_SUM = "jaxinfer_row_sum"
 TARGET_ROW_SUM_SQUARES = "jaxinfer_row_sum_squares"
 TARGET_CODES = "jaxinfer_f32_matmul_codes"
-TARGET_LAYER_CODES = "jaxinfer_f32_matmul_layer_codes"
 TARGET_DEQUANT = "jaxinfer_codes_dequant"
 TARGET_CODES_ROWS = "jaxinfer_codes_rows"
 TARGET_ENCODE = "jaxinfer_codes_encode"
@@ -42,7 +41,6 @@ _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matm
                                              TARGET_ROW_SUM: "JaxinferRowSum",
                                              TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares",
                                              TARGET_CODES: "JaxinferF32MatmulCodes",
-                                             TARGET_LAYER_CODES: "JaxinferF32MatmulLayerCodes",
                                              TARGET_DEQUANT: "JaxinferCodesDequant",
                                              TARGET_CODES_ROWS: "JaxinferCodesRows",
                                              TARGET_ENCODE: "JaxinferCodesEncode"}, "f32 matmul")
@@ -195,7 +193,7 @@ def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF
     out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[1]), jnp.float32)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     if kind is CodedF32:
-        return jax.ffi.ffi_call(TARGET_LAYER_CODES, out)(
+        return jax.ffi.ffi_call(TARGET_LAYER, out)(
             x, idx, *[w.codes for w in ws], *[w.scale for w in ws], *[w.offset for w in ws])
     return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if kind is PanelledF32 else w for w in ws])
 

@@ -876,12 +876,15 @@ JAXINFER_FFI_HANDLER(JaxinferF32MatmulPanels, f) {
   return F32MatmulPanelsImpl(f.pool(), x, w, y);
 }
 
+// Float32 weights or coded ones (int8 codes first: F32MatmulLayerCodesImpl).
 JAXINFER_FFI_HANDLER(JaxinferF32MatmulLayer, f) {
   auto x = f.arg<ffi::F32>(0);
   auto layer = f.arg<ffi::S32>(1);
   auto y = f.ret<ffi::F32>(0);
   if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
-  return F32MatmulLayerImpl(f.pool(), x, layer, f.args_from(2), y);
+  const auto ws = f.args_from(2);
+  if (ws.size() > 0 && ws.get<ffi::Buffer<ffi::S8>>(0)) return F32MatmulLayerCodesImpl(f.pool(), x, layer, ws, y);
+  return F32MatmulLayerImpl(f.pool(), x, layer, ws, y);
 }
 
 JAXINFER_FFI_HANDLER(JaxinferRowSum, f) {
@@ -905,14 +908,6 @@ JAXINFER_FFI_HANDLER(JaxinferF32MatmulCodes, f) {
   auto y = f.ret<ffi::F32>(0);
   if (!f.ok(4, 1)) return f.error();
   return F32MatmulCodesImpl(f.pool(), x, codes, scale, offset, y);
-}
-
-JAXINFER_FFI_HANDLER(JaxinferF32MatmulLayerCodes, f) {
-  auto x = f.arg<ffi::F32>(0);
-  auto layer = f.arg<ffi::S32>(1);
-  auto y = f.ret<ffi::F32>(0);
-  if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
-  return F32MatmulLayerCodesImpl(f.pool(), x, layer, f.args_from(2), y);
 }
 
 JAXINFER_FFI_HANDLER(JaxinferCodesDequant, f) {

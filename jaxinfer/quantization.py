@@ -222,12 +222,8 @@ class TiedEmbedding:
 
     def rows(self, tokens: jax.Array) -> jax.Array:
         """tokens i32[T] -> [T, D]."""
-        if hasattr(self.head, "columns_as_rows"):             # a CodedF32 head
+        if hasattr(self.head, "columns_as_rows"):             # a PanelledF32 or CodedF32 head
             return self.head.columns_as_rows(tokens)
-        panels = getattr(self.head, "panels", None)           # [V/P, D, P]
-        if panels is not None:
-            p = panels.shape[2]
-            return panels[tokens // p, :, tokens % p]
         return self.head[:, tokens].T
 
 

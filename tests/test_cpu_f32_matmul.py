@@ -115,6 +115,7 @@ def test_layers_route_f32_weights_to_the_kernel():
     """Both engines' dots send float32 weights to the kernel (its bits, for any T), and
     keep bf16 weights on XLA's dot."""
     assert jax.default_backend() == "cpu"
+    assert F.available(), F.unavailable_reason()      # registers the kernel (when run alone too)
     w = jnp.asarray(_rand((96, 40), 6))
     x = jnp.asarray(_rand((45, 96), 7))
     want = np.asarray(F.f32_matmul(x, w))

@@ -78,6 +78,10 @@ class PanelledF32:
         K, N = self.shape
         return self.panels.transpose(1, 0, 2).reshape(K, N)
 
+    def columns_as_rows(self, cols: jax.Array) -> jax.Array:
+        """cols i32[T] -> [T, K]: columns of the weight (a tied LM head's embedding rows)."""
+        return self.panels[cols // PANEL, :, cols % PANEL]
+
     def __getitem__(self, key: Any) -> "PanelledF32":
         """``param[...]`` (how a model reads its weights) returns the weight itself."""
         if key is Ellipsis:

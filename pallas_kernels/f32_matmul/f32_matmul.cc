@@ -127,6 +127,14 @@ struct Mat {
 
 constexpr int64_t kCodeBlock = 32;   // rows of K per scale / offset
 
+// One coded value: the product rounded, then the sum (no FMA contraction), the formula
+// dequant_panels applies eight lanes at a time.
+__attribute__((optimize("fp-contract=off")))
+inline float dequant_value(float scale, float code, float offset) {
+  const float prod = scale * code;
+  return prod + offset;
+}
+
 // Panels [j0, j0 + count) of a coded w as floats, [count][K][16] at out: each value
 // scale * float(code) + offset, the product rounded before the add (no FMA contraction:
 // the same two roundings as the numpy / ggml dequantizers, so the same floats).
@@ -730,8 +738,8 @@ ffi::Error CodesRowsImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S8> code
     const int64_t j = n / kNR, c = n % kNR;
     for (int64_t k = 0; k < p.K; ++k) {
       const int64_t s = (j * blocks + k / kCodeBlock) * kNR + c;
-      const float prod = p.scale[s] * static_cast<float>(p.codes[(j * p.K + k) * kNR + c]);
-      out[i * p.K + k] = prod + p.offset[s];
+      out[i * p.K + k] = dequant_value(p.scale[s], static_cast<float>(p.codes[(j * p.K + k) * kNR + c]),
+                                       p.offset[s]);
     }
   }
   return ffi::Error::Success();
@@ -784,8 +792,7 @@ ffi::Error CodesEncodeImpl(ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::S8> c
         for (int64_t k = 0; k < kCodeBlock && found; ++k) {
           const float x = vb[k * kNR + c];
           const float code = s == 0.0f ? 0.0f : std::clamp(std::nearbyint((x - o) / s), qmin, qmax);
-          const float prod = s * code;
-          const float back = prod + o;
+          const float back = dequant_value(s, code, o);
           uint32_t bx, bb;
           std::memcpy(&bx, &x, 4);
           std::memcpy(&bb, &back, 4);

@@ -498,3 +498,70 @@ def test_cpp_layer_indexed_attention_and_write_in_a_loop():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(Exception, match="out of range"):
         np.asarray(cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(L), kv_lens, q_lens, pt, **kw))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no C++ compiler: the CPU attention kernel cannot be built here")
+def test_cpp_attention_reads_int8_pages_as_their_dequantized_floats():
+    """int8 KV pages (kv_cache.QuantizedPages) in the C++ kernel: the plain and the
+    layer-indexed form give exactly the bits of float32 pages holding the dequantized values
+    (with and without a sliding window); the layer loop's in-place write
+    (kv_cache.write_kv_layer) leaves the pages write_kv leaves, and a fori_loop of write +
+    attend equals the unrolled calls bitwise without copying a page array."""
+    from pallas_kernels.attention import cpu as cpu_attention
+    from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv, write_kv, write_kv_layer
+
+    assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    L = 3
+    cases = [make_case([Seq(37, 1), Seq(20, 1), Seq(50, 16)], 2, 16, page_size=16, heads=4, kv_heads=2,
+                       head_dim=64, seed=s) for s in range(L)]
+    c0 = cases[0]
+    q, kv_lens, q_lens, pt = (jnp.asarray(x) for x in (c0.q, c0.kv_lens, c0.q_lens, c0.page_table))
+
+    def quantized(pages):
+        x = jnp.asarray(np.nan_to_num(pages))
+        qv, scale = quantize_kv(x.reshape(-1, *x.shape[2:]))
+        return QuantizedPages(qv.reshape(x.shape), scale.reshape(x.shape[:3]))
+
+    ks, vs = [quantized(c.k_pages) for c in cases], [quantized(c.v_pages) for c in cases]
+    for window in (None, 24):
+        kw = dict(num_decode=2, prefill_chunk=16, sm_scale=0.125, sliding_window=window)
+        for i in range(L):
+            got = cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
+            want = cpu_attention.ragged_paged_attention(q, ks[i].dequantize(), vs[i].dequantize(), kv_lens,
+                                                        q_lens, pt, **kw)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {i} window {window}")
+            got_l = cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(i), kv_lens, q_lens, pt, **kw)
+            np.testing.assert_array_equal(np.asarray(got_l), np.asarray(want), err_msg=f"layer form {i}")
+    kw = dict(num_decode=2, prefill_chunk=16, sm_scale=0.125)
+    T = q.shape[0]
+    slots = jnp.asarray((np.arange(T) % 5 + 1) * 16 + np.arange(T) % 16, jnp.int32)
+    rng = np.random.default_rng(8)
+    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+    v_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+
+    def looped(ks, vs):
+        def body(i, c):
+            ks, vs, acc = c
+            ks, vs = write_kv_layer(ks, vs, k_new * (i + 1.0), v_new, slots, i)
+            o = cpu_attention.ragged_paged_attention_layer(q, ks, vs, i, kv_lens, q_lens, pt, **kw)
+            return ks, vs, acc + o
+        return jax.lax.fori_loop(0, L, body, (ks, vs, jnp.zeros_like(q)))
+
+    def unrolled(ks, vs):
+        ks, vs, acc = list(ks), list(vs), jnp.zeros_like(q)
+        for i in range(L):
+            ks[i], vs[i] = write_kv(ks[i], vs[i], k_new * (i + 1.0), v_new, slots)
+            acc = acc + cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
+        return ks, vs, acc
+
+    want = jax.jit(unrolled)(ks, vs)
+    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(ks, vs).compile()
+    page_shape = "s8[%d,16,2,64]" % ks[0].shape[0]
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and page_shape in ln]
+    got = compiled(jax.tree.map(jnp.array, ks), jax.tree.map(jnp.array, vs))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="one K and V page array of one shape and kind"):
+        cpu_attention.ragged_paged_attention_layer(q, ks[:1] + [ks[1].dequantize()], vs[:2], 0, kv_lens, q_lens, pt,
+                                                   **kw)

@@ -70,14 +70,17 @@ def test_dispatch_picks_kernels_by_backend():
 
     from pallas_kernels.attention import cpu as cpu_attention
 
-    # CPU: the C++ kernel for float32 pages where it builds, else the jnp path
+    # CPU: the C++ kernel for float32 and int8 pages where it builds, else the jnp path
     want = ("cpp", cpu_attention.ragged_paged_attention) if cpu_attention.available() else \
         ("xla", ragged_paged_attention)
     assert dispatch.select("auto", "cpu") == want
     assert dispatch.select("auto", "cpu", kv_dtype=jnp.bfloat16) == ("xla", ragged_paged_attention)
     assert dispatch.select("xla", "cpu") == ("xla", ragged_paged_attention)
-    with pytest.raises(ValueError, match="'cpp' needs the CPU backend and a float32 KV cache"):
-        dispatch.select("cpp", "cpu", kv_quantized=True)
+    # int8 pages too (the kernel dequantizes the rows it reads); bf16 pages take the jnp path
+    want_q8 = want if cpu_attention.available() else ("xla", ragged_paged_attention)
+    assert dispatch.select("auto", "cpu", kv_quantized=True, kv_dtype=jnp.int8) == want_q8
+    with pytest.raises(ValueError, match="'cpp' needs the CPU backend and a float32 or int8 KV cache"):
+        dispatch.select("cpp", "cpu", kv_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="'cpp' needs the CPU backend"):
         dispatch.select("cpp", "gpu")
     assert dispatch.select("auto", "tpu") == ("pallas-tpu", rpa.ragged_paged_attention_tpu)
@@ -163,6 +166,10 @@ def test_int8_kv_engine_is_batch_invariant_and_fits_more_pages(tiny):
     assert batched == alone
     st = eng.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
+    # the C++ kernel reads the int8 pages, inside the layer loop (one layer compiled)
+    from pallas_kernels.attention import cpu as cpu_attention
+    assert st["kernels"]["attention"] == ("cpp" if cpu_attention.available() else "xla")
+    assert eng.replicas[0].runner.layer_loop == cpu_attention.available()
     f32 = Engine(loaded=tiny, progress=False, **ENGINE_KW)
     assert batched == [o.outputs[0].token_ids for o in f32.generate(PROMPTS, GREEDY)]
     cfg = tiny.config
@@ -181,4 +188,5 @@ def test_kv_cache_dtype_errors():
     # the Pallas kernels read int8 pages too (tests/test_pallas_attention.py): auto keeps them
     assert dispatch.select("auto", "gpu", kv_quantized=True)[0] == "pallas-gpu"
     assert dispatch.select("auto", "tpu", kv_quantized=True)[0] == "pallas-tpu"
-    assert dispatch.select("auto", "cpu", kv_quantized=True)[0] == "xla"
+    from pallas_kernels.attention import cpu as cpu_attention
+    assert dispatch.select("auto", "cpu", kv_quantized=True)[0] == ("cpp" if cpu_attention.available() else "xla")

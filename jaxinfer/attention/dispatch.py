@@ -32,7 +32,7 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
            kv_dtype: Any = jnp.float32, alibi: bool = False) -> tuple[str, Callable]:
     """Returns (the implementation's name, the function) for ``backend`` (default: JAX's).
     ``xla`` and ``pallas`` read float and int8 KV pages (``kv_quantized`` is logged);
-    ``cpp`` reads float32 pages only (``kv_dtype``). ``alibi``: the model adds ALiBi
+    ``cpp`` reads float32 and int8 pages (not bf16: ``kv_dtype``). ``alibi``: the model adds ALiBi
     slopes, which ``xla`` and ``cpp`` take (not ``pallas``)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {name!r}; choose one of "
@@ -44,16 +44,16 @@ def select(name: str = "auto", backend: str | None = None, kv_quantized: bool = 
     if alibi and name == "auto" and backend in ("tpu", "gpu"):
         log.info("attention: ALiBi model -> the jnp path (the Pallas kernels take no slopes)")
         name = "xla"
-    f32_pages = not kv_quantized and jnp.dtype(kv_dtype) == jnp.float32
+    cpp_pages = kv_quantized or jnp.dtype(kv_dtype) == jnp.float32
     if name == "auto":
         if backend in ("tpu", "gpu"):
             name = "pallas"
         else:
             from pallas_kernels.attention import cpu as cpu_attention
-            name = "cpp" if backend == "cpu" and f32_pages and cpu_attention.available() else "xla"
+            name = "cpp" if backend == "cpu" and cpp_pages and cpu_attention.available() else "xla"
     if name == "cpp":
-        if backend != "cpu" or not f32_pages:
-            raise ValueError(f"attention: 'cpp' needs the CPU backend and a float32 KV cache "
+        if backend != "cpu" or not cpp_pages:
+            raise ValueError(f"attention: 'cpp' needs the CPU backend and a float32 or int8 KV cache "
                              f"(here: backend {backend!r}, KV {jnp.dtype(kv_dtype).name}); "
                              "use 'xla' or 'auto'")
         from pallas_kernels.attention import cpu as cpu_attention

@@ -234,3 +234,21 @@ def _write_quantized(pages: QuantizedPages, x: jax.Array, slot_mapping: jax.Arra
     qf = pages.q.reshape(N * P, KVH, D).at[slot_mapping].set(q, mode="promise_in_bounds")
     sf = pages.scale.reshape(N * P, KVH).at[slot_mapping].set(scale, mode="promise_in_bounds")
     return QuantizedPages(qf.reshape(N, P, KVH, D), sf.reshape(N, P, KVH))
+
+
+def write_kv_layer(k_pages: list, v_pages: list, k_new: jax.Array, v_new: jax.Array,
+                   slot_mapping: jax.Array, layer: jax.Array) -> tuple[list, list]:
+    """``write_kv`` into layer ``layer``'s pages out of every layer's (the layer loop's form,
+    models/layer_loop.py): the C++ kernel writes in place, every layer's arrays aliased in ->
+    out. int8 pages get exactly ``_write_quantized``'s contents (the rows quantized here by
+    ``quantize_kv``, then copied)."""
+    from pallas_kernels.attention import cpu as cpu_attention
+
+    if not isinstance(k_pages[0], QuantizedPages):
+        return cpu_attention.write_kv_layer(k_pages, v_pages, k_new, v_new, slot_mapping, layer)
+    (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
+    kq_pages, vq_pages, ks_pages, vs_pages = cpu_attention.write_rows_layer(
+        [[p.q for p in k_pages], [p.q for p in v_pages], [p.scale for p in k_pages], [p.scale for p in v_pages]],
+        [kq, vq, ks, vs], slot_mapping, layer)
+    return ([QuantizedPages(q, s) for q, s in zip(kq_pages, ks_pages)],
+            [QuantizedPages(q, s) for q, s in zip(vq_pages, vs_pages)])

@@ -66,7 +66,7 @@ def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_len
         from pallas_kernels.attention import cpu as cpu_attention
 
         def attn_loop(layer, q, k, v, cache):
-            ks, vs = cpu_attention.write_kv_layer(cache[0], cache[1], k, v, slot_mapping, layer)
+            ks, vs = kvc.write_kv_layer(cache[0], cache[1], k, v, slot_mapping, layer)
             o = cpu_attention.ragged_paged_attention_layer(
                 q, ks, vs, layer, kv_lens, q_lens, page_table, num_decode=bucket.num_decode,
                 prefill_chunk=bucket.prefill_chunk, **cfg.attention_kwargs(0), **extra)
@@ -293,7 +293,7 @@ class ModelRunner:
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
                                                                  kv_dtype=spec.dtype,
                                                                  alibi=L.model_alibi_slopes(self.cfg) is not None)
-        # EngineConfig.layer_loop (experimental): the C++ paged attention on float32 pages,
+        # EngineConfig.layer_loop: the C++ paged attention (float32 or int8 pages),
         # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
         # (models/layer_loop.py)
         self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None

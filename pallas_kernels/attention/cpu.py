@@ -2,8 +2,12 @@
 
 Same signature and meaning as ``pallas_kernels.attention.xla.ragged_paged_attention`` (the step
 layout of engine/batch.py: ``num_decode`` one-token slots, then slots of ``prefill_chunk``
-rows), for float32 KV pages. It reads K and V in place through the page table, where the
-jnp version gathers every 64-token block into a copy inside an XLA while loop. Each
+rows), for float32 KV pages or int8 ones (engine/kv_cache.py ``QuantizedPages``: values
+and one f32 scale per token and head, read here as their ``q`` and ``scale`` arrays). It
+reads K and V in place through the page table, where the jnp version gathers every 64-token
+block into a copy inside an XLA while loop; int8 rows are dequantized as they are read,
+exactly as ``QuantizedPages.dequantize`` does, so int8 pages give the bits of float32 pages
+holding their dequantized values. Each
 (query row, head) is computed by one thread in one fixed order that depends only on that
 row (see the .cc header), so it is bitwise batch-invariant by construction.
 
@@ -43,9 +47,10 @@ def _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int, 
     from pallas_kernels.attention.xla import check_args
 
     check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
-    if hasattr(k_pages, "scale") or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
-        raise ValueError(f"cpu paged attention reads float32 pages, got {k_pages.dtype} "
-                         "(use the 'xla' attention for bf16 / int8 KV caches)")
+    if not (_is_int8(k_pages) and _is_int8(v_pages)) and (
+            hasattr(k_pages, "scale") or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32):
+        raise ValueError(f"cpu paged attention reads float32 pages or int8 pages with f32 scales, got "
+                         f"{k_pages.dtype} (use the 'xla' attention for bf16 KV caches)")
     if q.shape[-1] % 8:
         raise ValueError(f"cpu paged attention: head_dim must be a multiple of 8, got {q.shape[-1]}")
     if sliding_window is not None and sliding_window < 1:
@@ -60,6 +65,22 @@ def _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int, 
                         soft_cap=np.float32(soft_cap or 0.0))
 
 
+def _is_int8(pages: Any) -> bool:
+    """int8 pages with per-token scales (kv_cache.QuantizedPages): q s8[N, ps, KVH, D] and
+    scale f32[N, ps, KVH]."""
+    return (hasattr(pages, "scale") and pages.q.dtype == jnp.int8 and pages.scale.dtype == jnp.float32
+            and pages.scale.shape == pages.q.shape[:3])
+
+
+def _page_operands(k_pages: Sequence[Any], v_pages: Sequence[Any]) -> list[jax.Array]:
+    """Every layer's pages as the kernels' operands: float32 K_0.., V_0..; int8 Kq_0..,
+    Vq_0.., then their scales Ks_0.., Vs_0.. ."""
+    if _is_int8(k_pages[0]):
+        return [p.q for p in k_pages] + [p.q for p in v_pages] + [p.scale for p in k_pages] + \
+            [p.scale for p in v_pages]
+    return list(k_pages) + list(v_pages)
+
+
 @functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
                                              "sliding_window", "soft_cap"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -68,14 +89,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None,
                            alibi_slopes: jax.Array | None = None) -> jax.Array:
-    """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D]; kv_lens, q_lens i32[S];
+    """q [T, H, D]; k_pages, v_pages f32[N, page_size, KVH, D] (or int8 QuantizedPages); kv_lens, q_lens i32[S];
     page_table i32[S, P]; ``alibi_slopes`` f32[H] (BLOOM / MPT: query head h adds
     slope[h] * (key pos - query pos) to its scores). Returns [T, H, D] in q's dtype (f32
     math). Call ``available()`` first: it registers the kernel."""
     slopes, attrs = _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk,
                              sm_scale, sliding_window, soft_cap, alibi_slopes)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pages, v_pages, kv_lens.astype(jnp.int32),
+        q.astype(jnp.float32), *_page_operands([k_pages], [v_pages]), kv_lens.astype(jnp.int32),
         q_lens.astype(jnp.int32), page_table.astype(jnp.int32), slopes, **attrs)
     return out.astype(q.dtype)
 
@@ -91,38 +112,54 @@ def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[jax.Array], v_p
                                  soft_cap: float | None = None,
                                  alibi_slopes: jax.Array | None = None) -> jax.Array:
     """``ragged_paged_attention`` on layer ``layer``'s pages out of every layer's
-    (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D]): the same bits."""
+    (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D], or int8 QuantizedPages): the
+    same bits."""
     k_pages, v_pages = list(k_pages), list(v_pages)
     if not k_pages or len(k_pages) != len(v_pages) or any(
-            p.shape != k_pages[0].shape or p.dtype != jnp.float32 for p in k_pages + v_pages):
-        raise ValueError("paged attention (layer): one float32 K and V page array of one shape per layer")
+            p.shape != k_pages[0].shape or _is_int8(p) != _is_int8(k_pages[0]) for p in k_pages + v_pages):
+        raise ValueError("paged attention (layer): one K and V page array of one shape and kind per layer")
     slopes, attrs = _checked(q, k_pages[0], v_pages[0], kv_lens, q_lens, page_table, num_decode, prefill_chunk,
                              sm_scale, sliding_window, soft_cap, alibi_slopes)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), idx, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), slopes, *k_pages, *v_pages, **attrs)
+        page_table.astype(jnp.int32), slopes, *_page_operands(k_pages, v_pages), **attrs)
     return out.astype(q.dtype)
+
+
+def write_rows_layer(pages: Sequence[Sequence[jax.Array]], rows: Sequence[jax.Array], slot_mapping: jax.Array,
+                     layer: jax.Array) -> list[list[jax.Array]]:
+    """Rows into layer ``layer``'s page arrays, in place (every layer's arrays are aliased
+    in -> out; the kernel fails if XLA copied them). ``pages[g]``: group g's array of every
+    layer ([N, page_size, ...]), ``rows[g]`` [T, ...] its new rows (same dtype; slot t of
+    slot_mapping i32[T] gets row t). Groups: float32 K, V; or int8 Kq, Vq and f32 Ks, Vs.
+    Returns the groups' new arrays."""
+    groups, rows = [list(g) for g in pages], list(rows)
+    L = len(groups[0]) if groups else 0
+    kinds = ([jnp.float32] * 2, [jnp.int8] * 2 + [jnp.float32] * 2)
+    if not L or len(rows) != len(groups) or [r.dtype for r in rows] not in kinds or any(
+            len(g) != L or any(p.shape != g[0].shape or p.dtype != r.dtype for p in g) for g, r in zip(groups, rows)):
+        raise ValueError("write_kv_layer: float32 K, V (or int8 Kq, Vq and f32 Ks, Vs) page arrays of one shape "
+                         "per layer, and their new rows in the same dtypes")
+    for g, r in zip(groups, rows):
+        if r.shape[1:] != g[0].shape[2:] or r.shape[:1] != slot_mapping.shape:
+            raise ValueError(f"write_kv_layer: new rows must be [T, *{g[0].shape[2:]}] with slot_mapping i32[T], "
+                             f"got {r.shape} and {slot_mapping.shape}")
+    flat = [p for g in groups for p in g]
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    n_in = 2 + len(rows)
+    outs = jax.ffi.ffi_call(TARGET_WRITE_LAYER, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat],
+                            input_output_aliases={n_in + j: j for j in range(len(flat))})(
+        idx, slot_mapping.astype(jnp.int32), *rows, *flat)
+    return [list(outs[i * L:(i + 1) * L]) for i in range(len(groups))]
 
 
 def write_kv_layer(k_pages: Sequence[jax.Array], v_pages: Sequence[jax.Array], k_new: jax.Array,
                    v_new: jax.Array, slot_mapping: jax.Array,
                    layer: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-    """kv_cache.write_kv into layer ``layer``'s pages, in place (every layer's page arrays
-    are aliased in -> out; the kernel fails if XLA copied them): the same page contents.
-    k_new, v_new [T, KVH, D]; slot_mapping i32[T]. Returns (k_pages, v_pages) lists."""
-    k_pages, v_pages = list(k_pages), list(v_pages)
-    L = len(k_pages)
-    if not L or len(v_pages) != L or any(p.shape != k_pages[0].shape or p.dtype != jnp.float32
-                                         for p in k_pages + v_pages):
-        raise ValueError("write_kv_layer: one float32 K and V page array of one shape per layer")
-    N, P, KVH, D = k_pages[0].shape
-    if k_new.shape[1:] != (KVH, D) or v_new.shape != k_new.shape or slot_mapping.shape != k_new.shape[:1]:
-        raise ValueError(f"write_kv_layer: k_new/v_new must be [T, {KVH}, {D}] and slot_mapping i32[T], got "
-                         f"{k_new.shape}, {v_new.shape}, {slot_mapping.shape}")
-    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    outs = jax.ffi.ffi_call(TARGET_WRITE_LAYER, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in k_pages + v_pages],
-                            input_output_aliases={4 + j: j for j in range(2 * L)})(
-        idx, slot_mapping.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
-        *k_pages, *v_pages)
-    return list(outs[:L]), list(outs[L:])
+    """kv_cache.write_kv into layer ``layer``'s float32 pages, in place: the same page
+    contents. k_new, v_new [T, KVH, D]; slot_mapping i32[T]. Returns (k_pages, v_pages)
+    lists. (int8 pages: kv_cache.write_kv_layer quantizes, then ``write_rows_layer``.)"""
+    ks, vs = write_rows_layer([k_pages, v_pages], [k_new.astype(jnp.float32), v_new.astype(jnp.float32)],
+                              slot_mapping, layer)
+    return ks, vs

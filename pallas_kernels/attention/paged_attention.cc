@@ -23,7 +23,12 @@
 // prefill) or the chunking of a prompt. (The numbers differ slightly from xla.py's
 // blocked online softmax, so the engine uses one or the other, never both in one run.)
 //
-// x86-64 with AVX2 and FMA only (built with -mno-avx512f); float32 pages only.
+// KV pages float32, or int8 with one f32 scale per token and KV head (engine/kv_cache.py
+// QuantizedPages): a unit first dequantizes the rows it reads, x = float(q) * scale (one
+// rounding, as QuantizedPages.dequantize), into its thread's buffer, then runs the same
+// code: int8 pages give exactly the bits float32 pages holding the dequantized values give.
+//
+// x86-64 with AVX2 and FMA only (built with -mno-avx512f).
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +38,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -85,8 +91,12 @@ inline __m256 hsum8(const __m256* a) {
 
 struct Args {
   const float* q;          // [T, H, D]
-  const float* k;          // [N, ps, KVH, D]
+  const float* k;          // [N, ps, KVH, D] float32 pages (nullptr with int8 pages)
   const float* v;
+  const int8_t* kq;        // [N, ps, KVH, D] int8 pages (nullptr with float32 pages)
+  const int8_t* vq;
+  const float* ks;         // [N, ps, KVH] their scales
+  const float* vs;
   const int32_t* kv_lens;  // [S]
   const int32_t* q_lens;   // [S]
   const int32_t* pt;       // [S, P]
@@ -188,8 +198,18 @@ void weighted_values(const float* p, const float* const* vrow, int64_t n, int64_
   }
 }
 
+// dst[0..D) = float(src[d]) * scale: one int8 KV row dequantized (D a multiple of 8).
+inline void dequant_row(const int8_t* src, float scale, float* dst, int64_t D) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sv));
+  }
+}
+
 struct Scratch {
   std::vector<const float*> krow, vrow;
+  std::vector<float> kbuf, vbuf;   // int8 pages: the unit's rows dequantized [npos - lo0, D]
   std::vector<float> s;   // [G, npos + 8] scores, then softmax numerators
   std::vector<float> l;   // [G] softmax denominators
 };
@@ -212,13 +232,32 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
   w.vrow.resize(npos + 4);
   const int32_t* pt = a.pt + slot * a.P;
   const int64_t row_stride = a.KVH * D, page_stride = a.ps * row_stride;
+  // int8 pages: rows from lo0 (the block's first row's window start; later rows start no
+  // earlier) are dequantized into kbuf / vbuf and the row pointers point there.
+  const bool q8 = a.kq != nullptr;
+  const int64_t pos0 = kv_len - q_len + j0;
+  const int64_t lo0 = q8 && a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0;
+  if (q8) {
+    w.kbuf.resize((npos - lo0) * D);
+    w.vbuf.resize((npos - lo0) * D);
+  }
   for (int64_t i = 0, pg = 0; i < npos; ++pg) {
     const int64_t page = pt[pg];
     if (page < 0 || page >= a.N) return false;
     const int64_t base = page * page_stride + kvh * D;
     for (int64_t o = 0; o < a.ps && i < npos; ++o, ++i) {
-      w.krow[i] = a.k + base + o * row_stride;
-      w.vrow[i] = a.v + base + o * row_stride;
+      if (!q8) {
+        w.krow[i] = a.k + base + o * row_stride;
+        w.vrow[i] = a.v + base + o * row_stride;
+      } else if (i >= lo0) {
+        const int64_t scale_at = (page * a.ps + o) * a.KVH + kvh;
+        float* kd = w.kbuf.data() + (i - lo0) * D;
+        float* vd = w.vbuf.data() + (i - lo0) * D;
+        dequant_row(a.kq + base + o * row_stride, a.ks[scale_at], kd, D);
+        dequant_row(a.vq + base + o * row_stride, a.vs[scale_at], vd, D);
+        w.krow[i] = kd;
+        w.vrow[i] = vd;
+      }
     }
   }
   // Per row, the G query heads that share this KV head go through the keys together in
@@ -256,18 +295,46 @@ bool run_unit(const Args& a, int64_t slot, int64_t j0, int64_t j1, int64_t kvh, 
   return true;
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
+// One layer's KV pages: K and V float32 [N, ps, KVH, D], or int8 values of that shape with
+// f32 scales ks, vs [N, ps, KVH] (q8).
+struct Pages {
+  ffi::AnyBuffer k, v, ks, vs;
+  bool q8 = false;
+};
+
+// Pages out of operands: (K, V) float32, or (Kq, Vq, Ks, Vs) int8 + f32; none if the
+// dtypes are neither.
+std::optional<Pages> pages_of(ffi::AnyBuffer k, ffi::AnyBuffer v, std::optional<ffi::AnyBuffer> ks = {},
+                              std::optional<ffi::AnyBuffer> vs = {}) {
+  if (k.element_type() == ffi::F32 && v.element_type() == ffi::F32 && !ks && !vs) return Pages{k, v, ffi::AnyBuffer(), ffi::AnyBuffer(), false};
+  if (k.element_type() == ffi::S8 && v.element_type() == ffi::S8 && ks && vs &&
+      ks->element_type() == ffi::F32 && vs->element_type() == ffi::F32)
+    return Pages{k, v, *ks, *vs, true};
+  return std::nullopt;
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Pages& pages,
+                         ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_table,
                          ffi::Buffer<ffi::F32> alibi_slopes,
                          int64_t num_decode, int64_t prefill_chunk, float sm_scale,
                          int64_t sliding_window, float soft_cap,
                          ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), ptd = page_table.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || ptd.size() != 2)
+  const auto qd = q.dimensions(), kd = pages.k.dimensions(), ptd = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || ptd.size() != 2 || pages.v.element_count() != pages.k.element_count())
     return ffi::Error::InvalidArgument("paged_attention: expected q [T, H, D], pages [N, ps, KVH, D], "
                                        "page_table [S, P]");
-  Args a{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(), q_lens.typed_data(),
+  if (pages.q8) {
+    const auto sd = pages.ks.dimensions();
+    if (sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2] ||
+        pages.vs.element_count() != pages.ks.element_count())
+      return ffi::Error::InvalidArgument("paged_attention: int8 pages' scales must be [N, ps, KVH]");
+  }
+  const auto f32 = [&](const ffi::AnyBuffer& b) { return pages.q8 ? nullptr : static_cast<const float*>(b.untyped_data()); };
+  const auto s8 = [&](const ffi::AnyBuffer& b) { return pages.q8 ? static_cast<const int8_t*>(b.untyped_data()) : nullptr; };
+  const auto sc = [&](const ffi::AnyBuffer& b) { return pages.q8 ? static_cast<const float*>(b.untyped_data()) : nullptr; };
+  Args a{q.typed_data(), f32(pages.k), f32(pages.v), s8(pages.k), s8(pages.v), sc(pages.ks), sc(pages.vs),
+         kv_lens.typed_data(), q_lens.typed_data(),
          page_table.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
          ptd[0], ptd[1], num_decode, prefill_chunk, sm_scale, sliding_window, soft_cap,
          alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr};
@@ -316,50 +383,69 @@ ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::RemainingArgs pages, int64_t num_decode, int64_t prefill_chunk,
                               float sm_scale, int64_t sliding_window, float soft_cap,
                               ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t L = static_cast<int64_t>(pages.size()) / 2;
-  if (layer.element_count() != 1 || pages.size() % 2)
-    return ffi::Error::InvalidArgument("paged_attention_layer: expected one i32 layer and K, V pages per layer");
+  // float32: K_0 .. K_{L-1}, V_0 .. V_{L-1}; int8: Kq_*, Vq_*, then the scales Ks_*, Vs_*
+  const auto first = pages.get<ffi::AnyBuffer>(0);
+  const int64_t per_layer = first && first->element_type() == ffi::S8 ? 4 : 2;
+  const int64_t L = static_cast<int64_t>(pages.size()) / per_layer;
+  if (layer.element_count() != 1 || pages.size() % per_layer || L == 0)
+    return ffi::Error::InvalidArgument("paged_attention_layer: expected one i32 layer and K, V pages per layer "
+                                       "(int8: and their scales)");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged_attention_layer: layer index out of range");
-  auto k = pages.get<ffi::Buffer<ffi::F32>>(l);
-  auto v = pages.get<ffi::Buffer<ffi::F32>>(L + l);
-  if (!k.has_value() || !v.has_value())
-    return ffi::Error::InvalidArgument("paged_attention_layer: pages must be float32");
-  return AttentionImpl(pool, q, *k, *v, kv_lens, q_lens, page_table, alibi_slopes, num_decode,
+  const auto at = [&](int64_t i) { return *pages.get<ffi::AnyBuffer>(i * L + l); };
+  const auto p = per_layer == 2 ? pages_of(at(0), at(1)) : pages_of(at(0), at(1), at(2), at(3));
+  if (!p) return ffi::Error::InvalidArgument("paged_attention_layer: pages must be float32, or int8 with f32 scales");
+  return AttentionImpl(pool, q, *p, kv_lens, q_lens, page_table, alibi_slopes, num_decode,
                        prefill_chunk, sm_scale, sliding_window, soft_cap, out);
 }
 
 // This step's K/V rows into layer ``layer``'s pages, in place: operands layer i32[1],
-// slots i32[T] (page * page_size + offset), k_new, v_new [T, KVH, D], then K_0 .. K_{L-1},
-// V_0 .. V_{L-1} [N, page_size, KVH, D]; results the same 2L page arrays, each aliased to
-// its operand (the caller's input_output_aliases), so only the chosen layer's rows change.
+// slots i32[T] (page * page_size + offset), then the new rows and every layer's pages:
+// float32: k_new, v_new [T, KVH, D], then K_0 .. K_{L-1}, V_0 .. V_{L-1} [N, page_size,
+// KVH, D]; int8 (engine/kv_cache.py QuantizedPages, quantized by the caller): kq_new,
+// vq_new s8[T, KVH, D], ks_new, vs_new f32[T, KVH], then Kq_*, Vq_*, Ks_*, Vs_* (scales
+// [N, page_size, KVH]). Results: the same page arrays, each aliased to its operand (the
+// caller's input_output_aliases), so only the chosen layer's rows change.
 ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
-                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                            ffi::RemainingArgs pages, ffi::RemainingRets outs) {
-  const int64_t L = static_cast<int64_t>(pages.size()) / 2;
-  if (layer.element_count() != 1 || pages.size() % 2 || outs.size() != pages.size())
-    return ffi::Error::InvalidArgument("kv_write_layer: expected one i32 layer and K, V pages per layer, aliased");
+                            ffi::RemainingArgs rest, ffi::RemainingRets outs) {
+  const auto first = rest.get<ffi::AnyBuffer>(0);
+  const int64_t per_layer = first && first->element_type() == ffi::S8 ? 4 : 2;   // new rows = page arrays per layer
+  const int64_t num_pages = static_cast<int64_t>(rest.size()) - per_layer;
+  const int64_t L = num_pages / per_layer;
+  if (layer.element_count() != 1 || num_pages <= 0 || num_pages % per_layer ||
+      outs.size() != static_cast<size_t>(num_pages))
+    return ffi::Error::InvalidArgument("kv_write_layer: expected one i32 layer, the new rows and K, V pages per "
+                                       "layer (int8: and their scales), aliased");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("kv_write_layer: layer index out of range");
   const int64_t T = slots.element_count();
-  for (int64_t side = 0; side < 2; ++side) {
-    auto in = pages.get<ffi::Buffer<ffi::F32>>(side * L + l);
-    auto res = outs.get<ffi::Buffer<ffi::F32>>(side * L + l);
-    if (!in.has_value() || !res.has_value())
-      return ffi::Error::InvalidArgument("kv_write_layer: pages must be float32");
-    float* dst = res->typed_data();
-    if (dst != in->typed_data())
+  for (int64_t side = 0; side < per_layer; ++side) {
+    const auto rows = rest.get<ffi::AnyBuffer>(side);
+    const auto in = rest.get<ffi::AnyBuffer>(per_layer + side * L + l);
+    const auto res = outs.get<ffi::AnyBuffer>(side * L + l);
+    if (!rows || !in || !res) return ffi::Error::InvalidArgument("kv_write_layer: operands must be buffers");
+    const auto dtype = in->element_type();
+    const bool want_s8 = per_layer == 4 && side < 2;
+    if (dtype != (want_s8 ? ffi::S8 : ffi::F32) || rows->element_type() != dtype || res->element_type() != dtype)
+      return ffi::Error::InvalidArgument("kv_write_layer: pages must be float32, or int8 with f32 scales, and "
+                                         "the new rows of the pages' dtype");
+    char* dst = static_cast<char*>(res->untyped_data());
+    if (dst != in->untyped_data())
       return ffi::Error::Internal("kv_write_layer: the pages are not aliased to the results (XLA copied them)");
     const auto pd = in->dimensions();
-    if (pd.size() != 4) return ffi::Error::InvalidArgument("kv_write_layer: pages must be [N, page_size, KVH, D]");
-    const ffi::Buffer<ffi::F32>& rows = side ? v_new : k_new;
-    const int64_t row = pd[2] * pd[3], num_slots = pd[0] * pd[1];
-    if (static_cast<int64_t>(rows.element_count()) != T * row)
-      return ffi::Error::InvalidArgument("kv_write_layer: rows must be [T, KVH, D] of the pages' KVH, D");
+    if (pd.size() != (want_s8 || per_layer == 2 ? 4u : 3u))
+      return ffi::Error::InvalidArgument("kv_write_layer: pages must be [N, page_size, KVH, D] (scales [N, page_size, KVH])");
+    const int64_t num_slots = pd[0] * pd[1];
+    const int64_t row = static_cast<int64_t>(in->element_count()) / num_slots;
+    if (static_cast<int64_t>(rows->element_count()) != T * row)
+      return ffi::Error::InvalidArgument("kv_write_layer: rows must be [T, KVH, D] of the pages' KVH, D "
+                                         "(scales [T, KVH])");
+    const int64_t row_bytes = row * (dtype == ffi::S8 ? 1 : 4);
+    const char* src = static_cast<const char*>(rows->untyped_data());
     for (int64_t t = 0; t < T; ++t) {
       const int64_t s = slots.typed_data()[t];
       if (s < 0 || s >= num_slots) return ffi::Error::InvalidArgument("kv_write_layer: a slot is out of range");
-      std::memcpy(dst + s * row, rows.typed_data() + t * row, row * sizeof(float));
+      std::memcpy(dst + s * row_bytes, src + t * row_bytes, row_bytes);
     }
   }
   return ffi::Error::Success();
@@ -376,14 +462,19 @@ struct AttnAttrs {
   float sm_scale, soft_cap;
 };
 
+// Operands q, K, V (float32 pages) or q, Kq, Vq, Ks, Vs (int8 pages and their scales),
+// then kv_lens, q_lens, page_table, alibi_slopes.
 JAXINFER_FFI_HANDLER(JaxinferPagedAttention, f) {
-  auto q = f.arg<ffi::F32>(0), k = f.arg<ffi::F32>(1), v = f.arg<ffi::F32>(2);
-  auto kv_lens = f.arg<ffi::S32>(3), q_lens = f.arg<ffi::S32>(4), page_table = f.arg<ffi::S32>(5);
-  auto alibi = f.arg<ffi::F32>(6);
+  auto q = f.arg<ffi::F32>(0);
+  const int64_t np = f.any_arg(1).element_type() == ffi::S8 ? 4 : 2;
+  const auto p = np == 2 ? pages_of(f.any_arg(1), f.any_arg(2)) : pages_of(f.any_arg(1), f.any_arg(2), f.any_arg(3), f.any_arg(4));
+  auto kv_lens = f.arg<ffi::S32>(1 + np), q_lens = f.arg<ffi::S32>(2 + np), page_table = f.arg<ffi::S32>(3 + np);
+  auto alibi = f.arg<ffi::F32>(4 + np);
   auto out = f.ret<ffi::F32>(0);
   const AttnAttrs a(f);
-  if (!f.ok(7, 1)) return f.error();
-  return AttentionImpl(f.pool(), q, k, v, kv_lens, q_lens, page_table, alibi, a.num_decode, a.chunk,
+  if (!f.ok(5 + np, 1)) return f.error();
+  if (!p) return ffi::Error::InvalidArgument("paged_attention: pages must be float32, or int8 with f32 scales");
+  return AttentionImpl(f.pool(), q, *p, kv_lens, q_lens, page_table, alibi, a.num_decode, a.chunk,
                        a.sm_scale, a.window, a.soft_cap, out);
 }
 
@@ -401,7 +492,6 @@ JAXINFER_FFI_HANDLER(JaxinferPagedAttentionLayer, f) {
 
 JAXINFER_FFI_HANDLER(JaxinferKvWriteLayer, f) {
   auto layer = f.arg<ffi::S32>(0), slots = f.arg<ffi::S32>(1);
-  auto k_new = f.arg<ffi::F32>(2), v_new = f.arg<ffi::F32>(3);
   if (!f.ok(4, 0, /*more_args=*/true, /*more_rets=*/true)) return f.error();
-  return KvWriteLayerImpl(layer, slots, k_new, v_new, f.args_from(4), f.rets_from(0));
+  return KvWriteLayerImpl(layer, slots, f.args_from(2), f.rets_from(0));
 }

@@ -659,7 +659,7 @@ class EngineConfig:
     # power of two. The tokens do not depend on it: rows are sampled independently.
     min_sampler_rows: int | None = None
     # The model's layers as one loop (models/layer_loop.py) where the C++ kernels allow it
-    # (CPU, float32 pages, no LoRA / offload / pipeline stages, identical layers): each step
+    # (CPU, float32 or int8 KV pages, no LoRA / offload / pipeline stages, identical layers): each step
     # executable holds one layer instead of all of them (smaller, faster to trace and
     # compile), the same tokens; elsewhere the layers unroll. False: always unroll.
     layer_loop: bool = True

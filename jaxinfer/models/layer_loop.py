@@ -1,5 +1,5 @@
 """The model's layers as one ``lax.fori_loop`` instead of unrolled (``EngineConfig.layer_loop``,
-experimental, off by default).
+on by default where it applies).
 
 Why: with the layers unrolled every step executable holds 30 copies of the layer, ~19 MiB
 resident each once loaded, and each bucket traces, lowers and compiles all of them (also on
@@ -17,7 +17,7 @@ operations in the same order: the same bits (tests/test_layer_loop.py).
 Applies when every layer has the same class, weights and static options (attention
 options, rotary parameters) and every matrix weight has a kernel that indexes (float32 or
 int8 on CPU with the C++ kernels); the runner offers it only with the C++ paged attention
-on float32 pages, without LoRA, offload or pipeline stages. Otherwise the layers unroll.
+(float32 or int8 KV pages), without LoRA, offload or pipeline stages. Otherwise the layers unroll.
 """
 
 from __future__ import annotations

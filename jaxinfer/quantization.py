@@ -201,7 +201,9 @@ def _panel(w: jax.Array) -> Any:
 class TiedEmbedding:
     """A tied model's embedding table read from its LM head (``head``: the [D, V] weight,
     its PanelledF32 or CodedF32), which holds the same numbers transposed: one copy instead of two
-    (113 MB for SmolLM2 in float32). Rows come out bitwise equal to the table's."""
+    (113 MB for SmolLM2 in float32); or a quantized model's table as its own codes
+    (``code_embedding``: ``head`` is then the table's transpose, coded). Rows come out
+    bitwise equal to the table's."""
 
     head: Any
 
@@ -252,10 +254,38 @@ def _same_transposed(table: jax.Array, head: jax.Array) -> jax.Array:
 
 def prepare_for_engine(model: nnx.Module, mode: str | None, in_place: bool = False,
                        codes: bool = True) -> nnx.Module:
-    """The single-device model as the engine runs it: quantized (``mode``), or a float32
-    model laid out for the CPU f32 kernel (``prepare_float_for_cpu``, ``codes`` too)."""
+    """The single-device model as the engine runs it: quantized (``mode``; its float32
+    embedding table kept as exact codes where it has them, ``codes``: ``code_embedding``),
+    or a float32 model laid out for the CPU f32 kernel (``prepare_float_for_cpu``, ``codes``
+    too)."""
     model = quantize_model(model, mode, in_place)
-    return model if mode else prepare_float_for_cpu(model, in_place, codes)
+    if mode:
+        return code_embedding(model) if codes else model
+    return prepare_float_for_cpu(model, in_place, codes)
+
+
+def code_embedding(model: nnx.Module) -> nnx.Module:
+    """In place: a float32 embedding table [V, D] whose values are exact block codes (a
+    GGUF's Q8_0 token_embd, dequantized by the loader) becomes a TiedEmbedding over those
+    codes (the table transposed, panelled and coded as the f32 kernel stores a head: its
+    ``columns_as_rows`` gives the table's rows bitwise). Why: a quantized model's matmul
+    weights are int8, but its embedding stayed float32, the largest array left (113 MB for
+    SmolLM2; 32 MB as codes). Others stay as they are (CPU with the f32 kernel only)."""
+    from jaxinfer.matmul import f32_kernel_applies
+    from pallas_kernels.f32_matmul.codes import encode
+
+    embed = getattr(model, "embed", None)
+    table = embed.get_value() if isinstance(embed, nnx.Variable) else None
+    if not (isinstance(table, jax.Array) and table.ndim == 2 and f32_kernel_applies(table)
+            and len(table.devices()) == 1):
+        return model
+    from pallas_kernels.f32_matmul.cpu import PanelledF32
+
+    panelled = _panel(table.T)          # stays a plain array where V is not a multiple of 16
+    coded = encode(panelled) if isinstance(panelled, PanelledF32) else None
+    if coded is not None:
+        embed.set_value(TiedEmbedding(coded))
+    return model
 
 
 def is_quantized(model: nnx.Module) -> bool:

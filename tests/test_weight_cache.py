@@ -185,3 +185,37 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
     ids = list(range(2, 40))
     np.testing.assert_array_equal(ReferenceGenerator(second.model).logits(ids),
                                   ReferenceGenerator(floats.model).logits(ids))
+
+
+def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
+    """With int8 weights, the float32 embedding table (a GGUF's Q8_0 token_embd) is kept as
+    its exact codes (quantization.code_embedding): a TiedEmbedding over a CodedF32, saved
+    and mapped back, whose rows, and so the model's logits, are bitwise those of the
+    table kept as floats (``codes=False``)."""
+    import gguf
+
+    from jaxinfer.quantization import TiedEmbedding
+    from jaxinfer.reference import ReferenceGenerator
+    from pallas_kernels.f32_matmul.cpu import CodedF32, available
+
+    assert available()
+    path = tmp_path / "q.gguf"
+    w = tiny_hf_weights(hidden=64, ffn=96)
+    # 272 rows (a multiple of the kernel's 16-column panels; 12 past the tokenizer's 260, as
+    # HF checkpoints pad their vocabularies)
+    w["model.embed_tokens.weight"] = np.concatenate([w["model.embed_tokens.weight"],
+                                                     w["model.embed_tokens.weight"][:12]])
+    write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
+    cache = str(tmp_path / "cache")
+    load_prepared(str(path), "float32", "int8", cache)
+    coded = load_prepared(str(path), "float32", "int8", cache)          # from the cache
+    emb = coded.model.embed.get_value()
+    assert isinstance(emb, TiedEmbedding) and isinstance(emb.head, CodedF32)
+    floats = load_prepared(str(path), "float32", "int8", cache, codes=False)
+    table = floats.model.embed.get_value()
+    assert not isinstance(table, TiedEmbedding)
+    tokens = np.arange(table.shape[0], dtype=np.int32)
+    np.testing.assert_array_equal(np.asarray(emb.rows(tokens)), np.asarray(table))
+    ids = list(range(2, 40))
+    np.testing.assert_array_equal(ReferenceGenerator(coded.model).logits(ids),
+                                  ReferenceGenerator(floats.model).logits(ids))

@@ -55,8 +55,10 @@ def kernel_layout(quantization: str | None, dtype: str) -> dict[str, Any]:
     if jax.default_backend() != "cpu":
         return {}
     if quantization == "int8":
+        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
-        return {"int8_kernel": cpu_matmul.available()}
+        # the f32 kernel: the embedding table kept as codes (quantization.code_embedding)
+        return {"int8_kernel": cpu_matmul.available(), "f32_kernel": cpu_f32_matmul.available()}
     if quantization is None and dtype == "float32":
         from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
         return {"f32_kernel": cpu_f32_matmul.available()}

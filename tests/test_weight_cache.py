@@ -207,11 +207,17 @@ def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
                                                      w["model.embed_tokens.weight"][:12]])
     write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
     cache = str(tmp_path / "cache")
-    load_prepared(str(path), "float32", "int8", cache)
-    coded = load_prepared(str(path), "float32", "int8", cache)          # from the cache
+    first = load_prepared(str(path), "float32", "int8", cache)
+    calls = _loads_from_source(monkeypatch)
+    coded = load_prepared(str(path), "float32", "int8", cache)
+    assert calls == []                                                  # from the cache
     emb = coded.model.embed.get_value()
+    first_emb = first.model.embed.get_value()
+    for x, y in zip(jax.tree.leaves(emb), jax.tree.leaves(first_emb), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert isinstance(emb, TiedEmbedding) and isinstance(emb.head, CodedF32)
     floats = load_prepared(str(path), "float32", "int8", cache, codes=False)
+    assert calls == [str(path)]                                         # an entry of its own
     table = floats.model.embed.get_value()
     assert not isinstance(table, TiedEmbedding)
     tokens = np.arange(table.shape[0], dtype=np.int32)

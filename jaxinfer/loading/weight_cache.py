@@ -156,6 +156,35 @@ def _drop_older(root: Path, key: str, what: list) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
+def _entry(d: Path, stem: str, name: str, value: Any, held_by: dict) -> dict[str, Any]:
+    """How one value is written: its type, its arrays (saved as ``stem[.field].npy``), its
+    fields that are another weight's value (``refs``: a tied head), its JSON scalars, and
+    its fields that are containers of their own (``nested``: a TiedEmbedding over the
+    table's own codes)."""
+    entry: dict[str, Any] = {"arrays": {}, "refs": {}, "static": {}, "nested": {}}
+    if isinstance(value, jax.Array):
+        entry["type"], fields = "array", {"": value}
+    else:
+        entry["type"] = type(value).__name__
+        if _containers().get(entry["type"]) is not type(value):
+            raise ValueError(f"{name} holds a {entry['type']}")
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    for field, x in fields.items():
+        if _identity(x) in held_by:
+            entry["refs"][field] = held_by[_identity(x)]
+        elif isinstance(x, jax.Array):
+            fn = f"{stem}{'.' + field if field else ''}.npy"
+            np.save(d / fn, np.asarray(x), allow_pickle=False)
+            entry["arrays"][field] = {"file": fn, "dtype": str(x.dtype)}
+        elif isinstance(x, (int, float, str, bool)) or x is None:
+            entry["static"][field] = x
+        elif dataclasses.is_dataclass(x):
+            entry["nested"][field] = _entry(d, f"{stem}.{field}", f"{name}.{field}", x, held_by)
+        else:
+            raise ValueError(f"{name}.{field} is a {type(x).__name__}")
+    return entry
+
+
 def _write(d: Path, loaded: LoadedModel, extra: dict[str, Any]) -> None:
     weights, held_by = [], {}          # ids of a value's arrays -> path of the weight holding it
     variables = sorted(_variables(loaded.model), key=lambda pv: _depth(pv[1].get_value()))
@@ -164,27 +193,8 @@ def _write(d: Path, loaded: LoadedModel, extra: dict[str, Any]) -> None:
         if type(var) is not nnx.Param:
             raise ValueError(f"{name} is a {type(var).__name__}, not a weight")
         value = var.get_value()
-        entry = {"path": list(path), "arrays": {}, "refs": {}, "static": {}}
-        if isinstance(value, jax.Array):
-            entry["type"], fields = "array", {"": value}
-        else:
-            entry["type"] = type(value).__name__
-            if _containers().get(entry["type"]) is not type(value):
-                raise ValueError(f"{name} holds a {entry['type']}")
-            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        for field, x in fields.items():
-            if _identity(x) in held_by:
-                entry["refs"][field] = held_by[_identity(x)]
-            elif isinstance(x, jax.Array):
-                fn = f"{i:04d}{'.' + field if field else ''}.npy"
-                np.save(d / fn, np.asarray(x), allow_pickle=False)
-                entry["arrays"][field] = {"file": fn, "dtype": str(x.dtype)}
-            elif isinstance(x, (int, float, str, bool)) or x is None:
-                entry["static"][field] = x
-            else:
-                raise ValueError(f"{name}.{field} is a {type(x).__name__}")
+        weights.append({"path": list(path), **_entry(d, f"{i:04d}", name, value, held_by)})
         held_by.setdefault(_identity(value), list(path))
-        weights.append(entry)
     tok = loaded.tokenizer
     tok.hf.save_pretrained(str(d / "tokenizer"))
     meta = {"format_version": FORMAT_VERSION, "source": loaded.source, **extra,
@@ -281,6 +291,7 @@ def _read(d: Path, layout: Callable[[], dict[str, Any]]) -> LoadedModel | None:
 
 def _value(d: Path, w: dict[str, Any], built: dict[tuple, Any]) -> Any:
     fields = {name: built[tuple(path)] for name, path in w.get("refs", {}).items()}
+    fields.update({name: _value(d, sub, built) for name, sub in w.get("nested", {}).items()})
     for name, a in w["arrays"].items():
         host = np.load(d / a["file"], mmap_mode="r", allow_pickle=False)
         if str(host.dtype) != a["dtype"]:          # bfloat16 is saved as raw 2-byte records

@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--compare-weight-codes", action="store_true",
                    help="also run an engine with float32 weights instead of their exact codes "
                         "(weight_codes=False; same run, interleaved) and report both")
+    p.add_argument("--compare-kv-int8", action="store_true",
+                   help="also run an engine with int8 KV pages (kv_cache_dtype='int8'; same run, "
+                        "interleaved) and report both")
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=640)
@@ -143,11 +146,11 @@ def main() -> None:
     engine_request(engine, pre["ids"], 1)
     res["engine_first_run_s"] = time.perf_counter() - t0
     other = None
-    if args.compare_invariance and args.compare_weight_codes:
-        raise SystemExit("--compare-invariance and --compare-weight-codes: one comparison a run")
-    if args.compare_invariance or args.compare_weight_codes:
+    if args.compare_invariance + args.compare_weight_codes + args.compare_kv_int8 > 1:
+        raise SystemExit("--compare-invariance, --compare-weight-codes, --compare-kv-int8: one comparison a run")
+    if args.compare_invariance or args.compare_weight_codes or args.compare_kv_int8:
         change = ({"batch_invariant": not args.batch_invariant} if args.compare_invariance
-                  else {"weight_codes": False})
+                  else {"weight_codes": False} if args.compare_weight_codes else {"kv_cache_dtype": "int8"})
         ocfg = dict(cfg, **change)
         other = Engine(loaded=loaded, progress=False, **ocfg)
         res["other_compile_s"] = other.compile_seconds
@@ -205,14 +208,15 @@ def main() -> None:
     ]
     if other is not None:
         xd, xp = best(other_dec, "decode_tok_s", lower=False), best(other_pre, "ttft_s")
-    if other is not None and args.compare_weight_codes:
-        res["other"] = {"weight_codes": False, "decode": xd, "prefill": xp,
-                        "all_decode": other_dec, "all_prefill": other_pre}
+    if other is not None and (args.compare_weight_codes or args.compare_kv_int8):
+        codes = args.compare_weight_codes
+        res["other"] = {("weight_codes" if codes else "kv_cache_dtype"): False if codes else "int8",
+                        "decode": xd, "prefill": xp, "all_decode": other_dec, "all_prefill": other_pre}
         rows += [
-            ("other (weight_codes=False: float32 weights)",
+            ("other (weight_codes=False: float32 weights)" if codes else "other (kv_cache_dtype=int8)",
              f"decode {xd['decode_tok_s']:.1f} tok/s (device {xd['device_ms_per_step']:.1f} ms/step), "
              f"TTFT 512 {xp['ttft_s'] * 1e3:.0f} ms; compile {res['other_compile_s']:.1f} s"),
-            ("codes / floats", f"decode {od['decode_tok_s'] / xd['decode_tok_s']:.3f}x, TTFT-512 "
+            ("codes / floats" if codes else "float32 KV / int8 KV", f"decode {od['decode_tok_s'] / xd['decode_tok_s']:.3f}x, TTFT-512 "
                                f"{op['ttft_s'] / xp['ttft_s']:.3f}; tokens identical: {xd['token_ids'] == od['token_ids']}"),
         ]
     if other is not None and args.compare_invariance:

@@ -443,6 +443,42 @@ def test_alibi_runs_the_cpp_kernel_on_cpu_and_jnp_on_accelerators():
         dispatch.select("pallas", "cpu", alibi=True)
 
 
+def _loop_equals_unrolled(write_layer, ks, vs, q, kv_lens, q_lens, pt, kw, page_shape: str, seed: int):
+    """A lax.fori_loop of ``write_layer`` + the layer-indexed attention over every layer's
+    pages (ks, vs) equals the unrolled kv_cache.write_kv + attention calls bitwise, and the
+    compiled loop copies no page array of ``page_shape`` (HLO text)."""
+    from pallas_kernels.attention import cpu as cpu_attention
+    from jaxinfer.engine.kv_cache import write_kv
+
+    L, T = len(ks), q.shape[0]
+    slots = jnp.asarray((np.arange(T) % 5 + 1) * 16 + np.arange(T) % 16, jnp.int32)   # inside pages 1..5
+    rng = np.random.default_rng(seed)
+    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+    v_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
+
+    def looped(ks, vs):
+        def body(i, c):
+            ks, vs, acc = c
+            ks, vs = write_layer(ks, vs, k_new * (i + 1.0), v_new, slots, i)
+            o = cpu_attention.ragged_paged_attention_layer(q, ks, vs, i, kv_lens, q_lens, pt, **kw)
+            return ks, vs, acc + o
+        return jax.lax.fori_loop(0, L, body, (ks, vs, jnp.zeros_like(q)))
+
+    def unrolled(ks, vs):
+        ks, vs, acc = list(ks), list(vs), jnp.zeros_like(q)
+        for i in range(L):
+            ks[i], vs[i] = write_kv(ks[i], vs[i], k_new * (i + 1.0), v_new, slots)
+            acc = acc + cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
+        return ks, vs, acc
+
+    want = jax.jit(unrolled)(ks, vs)
+    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(ks, vs).compile()
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and page_shape in ln]
+    got = compiled(jax.tree.map(jnp.array, ks), jax.tree.map(jnp.array, vs))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="no C++ compiler: the CPU attention kernel cannot be built here")
 def test_cpp_layer_indexed_attention_and_write_in_a_loop():
@@ -453,7 +489,6 @@ def test_cpp_layer_indexed_attention_and_write_in_a_loop():
     attend over the layers equals the unrolled per-layer calls bitwise, with no copy of a
     page array in the loop."""
     from pallas_kernels.attention import cpu as cpu_attention
-    from jaxinfer.engine.kv_cache import write_kv
 
     assert cpu_attention.available(), cpu_attention.unavailable_reason()
     L = 3
@@ -468,34 +503,8 @@ def test_cpp_layer_indexed_attention_and_write_in_a_loop():
         got = cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(i), kv_lens, q_lens, pt, **kw)
         want = cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {i}")
-    T = q.shape[0]
-    slots = jnp.asarray((np.arange(T) % 5 + 1) * 16 + np.arange(T) % 16, jnp.int32)   # inside pages 1..5
-    rng = np.random.default_rng(7)
-    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
-    v_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
-
-    def looped(ks, vs):
-        def body(i, c):
-            ks, vs, acc = c
-            ks, vs = cpu_attention.write_kv_layer(ks, vs, k_new * (i + 1.0), v_new, slots, i)
-            o = cpu_attention.ragged_paged_attention_layer(q, ks, vs, i, kv_lens, q_lens, pt, **kw)
-            return ks, vs, acc + o
-        return jax.lax.fori_loop(0, L, body, (ks, vs, jnp.zeros_like(q)))
-
-    def unrolled(ks, vs):
-        ks, vs, acc = list(ks), list(vs), jnp.zeros_like(q)
-        for i in range(L):
-            ks[i], vs[i] = write_kv(ks[i], vs[i], k_new * (i + 1.0), v_new, slots)
-            acc = acc + cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
-        return ks, vs, acc
-
-    want = jax.jit(unrolled)(ks, vs)
-    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(ks, vs).compile()
-    page_shape = "f32[%d,16,2,64]" % ks[0].shape[0]
-    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and page_shape in ln]
-    got = compiled([jnp.array(k) for k in ks], [jnp.array(v) for v in vs])
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _loop_equals_unrolled(cpu_attention.write_kv_layer, ks, vs, q, kv_lens, q_lens, pt, kw,
+                          "f32[%d,16,2,64]" % ks[0].shape[0], seed=7)
     with pytest.raises(Exception, match="out of range"):
         np.asarray(cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(L), kv_lens, q_lens, pt, **kw))
 
@@ -509,7 +518,7 @@ def test_cpp_attention_reads_int8_pages_as_their_dequantized_floats():
     (kv_cache.write_kv_layer) leaves the pages write_kv leaves, and a fori_loop of write +
     attend equals the unrolled calls bitwise without copying a page array."""
     from pallas_kernels.attention import cpu as cpu_attention
-    from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv, write_kv, write_kv_layer
+    from jaxinfer.engine.kv_cache import QuantizedPages, quantize_kv, write_kv_layer
 
     assert cpu_attention.available(), cpu_attention.unavailable_reason()
     L = 3
@@ -534,34 +543,8 @@ def test_cpp_attention_reads_int8_pages_as_their_dequantized_floats():
             got_l = cpu_attention.ragged_paged_attention_layer(q, ks, vs, jnp.int32(i), kv_lens, q_lens, pt, **kw)
             np.testing.assert_array_equal(np.asarray(got_l), np.asarray(want), err_msg=f"layer form {i}")
     kw = dict(num_decode=2, prefill_chunk=16, sm_scale=0.125)
-    T = q.shape[0]
-    slots = jnp.asarray((np.arange(T) % 5 + 1) * 16 + np.arange(T) % 16, jnp.int32)
-    rng = np.random.default_rng(8)
-    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
-    v_new = jnp.asarray(rng.standard_normal((T, 2, 64)).astype(np.float32))
-
-    def looped(ks, vs):
-        def body(i, c):
-            ks, vs, acc = c
-            ks, vs = write_kv_layer(ks, vs, k_new * (i + 1.0), v_new, slots, i)
-            o = cpu_attention.ragged_paged_attention_layer(q, ks, vs, i, kv_lens, q_lens, pt, **kw)
-            return ks, vs, acc + o
-        return jax.lax.fori_loop(0, L, body, (ks, vs, jnp.zeros_like(q)))
-
-    def unrolled(ks, vs):
-        ks, vs, acc = list(ks), list(vs), jnp.zeros_like(q)
-        for i in range(L):
-            ks[i], vs[i] = write_kv(ks[i], vs[i], k_new * (i + 1.0), v_new, slots)
-            acc = acc + cpu_attention.ragged_paged_attention(q, ks[i], vs[i], kv_lens, q_lens, pt, **kw)
-        return ks, vs, acc
-
-    want = jax.jit(unrolled)(ks, vs)
-    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(ks, vs).compile()
-    page_shape = "s8[%d,16,2,64]" % ks[0].shape[0]
-    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and page_shape in ln]
-    got = compiled(jax.tree.map(jnp.array, ks), jax.tree.map(jnp.array, vs))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _loop_equals_unrolled(write_kv_layer, ks, vs, q, kv_lens, q_lens, pt, kw,
+                          "s8[%d,16,2,64]" % ks[0].shape[0], seed=8)
     with pytest.raises(ValueError, match="one K and V page array of one shape and kind"):
         cpu_attention.ragged_paged_attention_layer(q, ks[:1] + [ks[1].dequantize()], vs[:2], 0, kv_lens, q_lens, pt,
                                                    **kw)

@@ -54,12 +54,14 @@ def kernel_layout(quantization: str | None, dtype: str) -> dict[str, Any]:
     built): asked after loading, so a first start's kernel builds overlap the load."""
     if jax.default_backend() != "cpu":
         return {}
-    if quantization == "int8":
-        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
-        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
-        # the f32 kernel: the embedding table kept as codes (quantization.code_embedding)
-        return {"int8_kernel": cpu_matmul.available(), "f32_kernel": cpu_f32_matmul.available()}
-    if quantization is None and dtype == "float32":
-        from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
-        return {"f32_kernel": cpu_f32_matmul.available()}
-    return {}
+    from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
+
+    if quantization:
+        # the f32 kernel: a quantized model's embedding table kept as codes
+        # (quantization.code_embedding)
+        layout = {"f32_kernel": cpu_f32_matmul.available()}
+        if quantization == "int8":
+            from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+            layout["int8_kernel"] = cpu_matmul.available()
+        return layout
+    return {"f32_kernel": cpu_f32_matmul.available()} if dtype == "float32" else {}

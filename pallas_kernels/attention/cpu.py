@@ -47,8 +47,8 @@ def _checked(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode: int, 
     from pallas_kernels.attention.xla import check_args
 
     check_args(q, k_pages, v_pages, kv_lens, q_lens, page_table, num_decode, prefill_chunk)
-    if not (_is_int8(k_pages) and _is_int8(v_pages)) and (
-            hasattr(k_pages, "scale") or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32):
+    f32 = not hasattr(k_pages, "scale") and k_pages.dtype == jnp.float32 and v_pages.dtype == jnp.float32
+    if not (f32 or (_is_int8(k_pages) and _is_int8(v_pages))):
         raise ValueError(f"cpu paged attention reads float32 pages or int8 pages with f32 scales, got "
                          f"{k_pages.dtype} (use the 'xla' attention for bf16 KV caches)")
     if q.shape[-1] % 8:

@@ -111,7 +111,9 @@ def indexed_matmul(x: jax.Array, w) -> jax.Array:
     """x [T, K] @ layer ``w.index``'s weight (a layer_loop.IndexedWeight): the kernels'
     indexed forms, the same bits as ``float_matmul`` / ``quantized_matmul`` on that layer's
     weight (both are batch-invariant, so plain and invariant are one)."""
-    if is_quantized(w.arrays[0]):
+    from pallas_kernels.layer_stack import first_layer
+
+    if is_quantized(first_layer(w.arrays)):
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         return cpu_matmul.int8_matmul_layer(x, w.arrays, w.index)
     from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul

@@ -313,7 +313,8 @@ def cpu_compiler_options(model: nnx.Module) -> dict | None:
 
 
 def weight_bytes(model: nnx.Module) -> int:
-    """Bytes of every parameter array (quantized values and scales included)."""
+    """Bytes of every parameter array (quantized values and scales included; a layer loop's
+    stacks, whose rows the parameters are, not twice)."""
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -91,6 +91,15 @@ class ResultBuffer {
   Buffer<T> buf_;
 };
 
+// Bytes of one element of the dtypes the kernels take (0: another dtype).
+inline size_t element_bytes(XLA_FFI_DataType t) {
+  switch (t) {
+    case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8: case XLA_FFI_DataType_PRED: return 1;
+    case XLA_FFI_DataType_S32: case XLA_FFI_DataType_F32: return 4;
+    default: return 0;
+  }
+}
+
 // The operands from some position on (every layer's weights or pages).
 class RemainingArgs {
  public:
@@ -100,6 +109,31 @@ class RemainingArgs {
   // of that type.
   template <class B>
   std::optional<B> get(size_t i) const { return decode<B>(a_->types, a_->args, a_->size, from_ + i); }
+
+  // Layer l's buffer of group `kind` when these operands are `kinds` groups, each every
+  // layer's buffers of one kind (the layer loop: jaxinfer/models/layer_loop.py): with L >= 2
+  // operands a group (each layer's buffer its own operand) the group's l-th; with one a
+  // group (every layer's buffer stacked [L, ...]) row l of it, described in `view` (a
+  // pointer into the stack: nothing copied; `view` must outlive the result). None when the
+  // operand is not a buffer of type B or l is not one of its layers.
+  template <class B>
+  std::optional<B> layer(size_t kind, size_t kinds, int64_t l, XLA_FFI_Buffer& view) const {
+    const size_t n = size();
+    if (kinds == 0 || n == 0 || n % kinds || kind >= kinds || l < 0) return std::nullopt;
+    const size_t per = n / kinds;
+    if (per > 1) return l < static_cast<int64_t>(per) ? get<B>(kind * per + l) : std::nullopt;
+    const int64_t i = from_ + static_cast<int64_t>(kind);
+    if (a_->types[i] != XLA_FFI_ArgType_BUFFER) return std::nullopt;
+    const auto* b = static_cast<const XLA_FFI_Buffer*>(a_->args[i]);
+    size_t row = element_bytes(b->dtype);
+    if (b->rank < 1 || l >= b->dims[0] || row == 0 || !accepts<B>(b)) return std::nullopt;
+    for (int64_t r = 1; r < b->rank; ++r) row *= static_cast<size_t>(b->dims[r]);
+    view = *b;
+    view.data = static_cast<char*>(b->data) + static_cast<size_t>(l) * row;
+    view.rank = b->rank - 1;
+    view.dims = b->dims + 1;
+    return B(&view);
+  }
 
   template <class B>
   static std::optional<B> decode(const void* types, void* const* items, int64_t n, int64_t i) {

@@ -250,6 +250,30 @@ def test_layer_indexed_matmul_in_a_loop_copies_no_weight(panelled):
         np.asarray(F.f32_matmul_layer(x, sq, jnp.int32(L)))
     with pytest.raises(ValueError, match="one shape and layout"):
         F.f32_matmul_layer(x, [sq[0], jnp.zeros((N, N + 16), jnp.float32)], jnp.int32(0))
+    _stacked_equals_per_layer(F.f32_matmul_layer, x, sq, L)
+
+
+def _stacked_equals_per_layer(layer_fn, x, ws, L):
+    """The stacked form (pallas_kernels/layer_stack.py: one [L, ...] operand per array)
+    gives the per-layer form's bits for every layer, inside a loop too without copying the
+    stack, and refuses an index past its L."""
+    from pallas_kernels.layer_stack import Stacked
+
+    st = Stacked(jax.tree.map(lambda *a: jnp.stack(a), *ws))
+    for i in range(L):
+        np.testing.assert_array_equal(np.asarray(layer_fn(x, st, jnp.int32(i))),
+                                      np.asarray(layer_fn(x, ws, jnp.int32(i))), err_msg=f"stacked, layer {i}")
+    compiled = jax.jit(lambda x, st: jax.lax.fori_loop(
+        0, L, lambda i, acc: acc + layer_fn(x, st, i), jnp.zeros_like(layer_fn(x, st, 0)))).lower(x, st).compile()
+    want = np.zeros_like(np.asarray(layer_fn(x, ws, jnp.int32(0))))
+    for i in range(L):                       # the loop's order of float32 sums
+        want = want + np.asarray(layer_fn(x, ws, jnp.int32(i)))
+    np.testing.assert_array_equal(np.asarray(compiled(x, st)), want)
+    hlo = {"float32": "f32", "int8": "s8"}
+    stacks = {f"{hlo[str(a.dtype)]}[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(st)}
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and any(t in ln for t in stacks)]
+    with pytest.raises(Exception, match="out of range"):
+        np.asarray(layer_fn(x, st, jnp.int32(L)))
 
 
 @pytest.mark.parametrize("n", [1, 8, 24, 96])
@@ -314,6 +338,7 @@ def test_coded_weights_give_the_float32_bits(kind, K, N):
     for i, ref in enumerate((wp, F.panel(jnp.asarray(_block_quantized(K, N, 4, kind))))):
         np.testing.assert_array_equal(np.asarray(F.f32_matmul_layer(xs[:5], [coded, other], jnp.int32(i))),
                                       np.asarray(F.f32_matmul(xs[:5], ref)), err_msg=f"layer {i}")
+    _stacked_equals_per_layer(F.f32_matmul_layer, xs[:5], [coded, other], 2)
     cols = jnp.asarray([0, 5, 17, N - 1], jnp.int32)
     np.testing.assert_array_equal(np.asarray(coded.columns_as_rows(cols)), w[:, np.asarray(cols)].T)
     off = w.copy()

@@ -213,3 +213,6 @@ def test_layer_indexed_matmul_in_a_loop_copies_no_weight(K, N):
     assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and q_shape in ln]
     with pytest.raises(Exception, match="out of range"):
         np.asarray(C.int8_matmul_layer(x, ws, jnp.int32(L)))
+    from test_cpu_f32_matmul import _stacked_equals_per_layer
+
+    _stacked_equals_per_layer(C.int8_matmul_layer, x, ws, L)

@@ -7,6 +7,7 @@ other engine tests (engine vs the unrolled reference generator) run the loop too
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,12 +67,32 @@ def test_loop_gives_the_unrolled_bits(tiny, quantization):
     for b, exe in rl.executables.items():
         text, unrolled_text = exe.as_text(), ru.executables[b].as_text()
         assert " while(" in text and len(text) < len(unrolled_text), b
+        # every layer weight's array is one stacked operand, not one per layer
+        per_layer = len(jax.tree.leaves(rl.state["layers"][0]))
+        assert _entry_parameters(text) == _entry_parameters(unrolled_text) - (len(rl.state["layers"]) - 1) * per_layer
+    _layers_are_views_of_their_stacks(rl.state)
+    assert not hasattr(tiny.model, "layer_stacks")     # the runner's copy holds them
     compiled = (len(rl.executables), len(rl.samplers))
     _outputs(looped, prompts, greedy)
     assert (len(rl.executables), len(rl.samplers)) == compiled              # nothing compiled after warm-up
     bm = looped.block_manager
     bm.check_invariants()
     assert bm.num_free_pages == bm.num_usable_pages
+
+
+def _entry_parameters(hlo_text: str) -> int:
+    entry = hlo_text[hlo_text.index("ENTRY"):]
+    return entry[:entry.index("\n}\n")].count(" parameter(")
+
+
+def _layers_are_views_of_their_stacks(state) -> None:
+    """Each layer's arrays lie inside their stack's buffer, at row i (no second copy)."""
+    for name, stack in state["layer_stacks"].items():
+        for j, st in enumerate(jax.tree.leaves(stack)):
+            row = st.nbytes // st.shape[0]
+            for i in range(st.shape[0]):
+                leaf = jax.tree.leaves(state["layers"][i][name])[j]
+                assert leaf.unsafe_buffer_pointer() == st.unsafe_buffer_pointer() + i * row, (name, i)
 
 
 class _Cfg:

@@ -6,13 +6,20 @@ resident each once loaded, and each bucket traces, lowers and compiles all of th
 a warm start, to compute its cache key). A loop holds one (RESULTS.md "Design measurements",
 "A loop over layers without stacking").
 
-How, without stacking weights or KV pages (a dynamic slice of a stacked array is a copy per
-iteration): the kernels take every layer's buffer as operands plus the traced layer index
-and pick one by pointer (pallas_kernels/*/cpu.py ``*_layer``). The layer body is the family's
-own code, run with ``self`` a ``LayerView``: its matrix weights are ``IndexedWeight`` (which
-the ``mm`` hook sends to those kernels), its vectors (norms, biases) the i-th row of their
+How, without slicing weights or KV pages in XLA (a dynamic slice of a stacked array is a copy
+per iteration): the kernels take every layer's buffer plus the traced layer index and pick
+one by pointer (pallas_kernels/*/cpu.py ``*_layer``). The layer body is the family's own
+code, run with ``self`` a ``LayerView``: its matrix weights are ``IndexedWeight`` (which the
+``mm`` hook sends to those kernels), its vectors (norms, biases) the i-th row of their
 stack (tiny), ``index`` the traced layer. So the loop computes exactly the unrolled layers'
 operations in the same order: the same bits (tests/test_layer_loop.py).
+
+Where a model's weights were stacked once at start-up (``stack_weights``: the runner does
+it on one CPU device), the kernels get each array of every layer's weight as one [L, ...]
+operand (pallas_kernels/layer_stack.py) instead of L operands, and the layers' own
+variables become views of those stacks (no second copy). Why: XLA carries every operand
+through the while loop, and a loaded XLA:CPU executable holds several KiB per HLO
+instruction: ~400 per-layer operands were ~4 MiB of each of ~27 step executables.
 
 Applies when every layer has the same class, weights and static options (attention
 options, rotary parameters) and every matrix weight has a kernel that indexes (float32 or
@@ -26,15 +33,20 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from pallas_kernels.layer_stack import Stacked, first_layer
+
+ALIGN = 64   # bytes: XLA:CPU adopts a host array as a buffer (no copy) when it is this aligned
 
 
 class IndexedWeight:
     """Layer ``index``'s matrix weight out of ``arrays`` (every layer's, one shape and
     layout); only the ``mm`` hook reads it (jaxinfer/matmul.py ``indexed_matmul``)."""
 
-    def __init__(self, arrays: Sequence[Any], index: jax.Array):
-        self.arrays, self.index = list(arrays), index
+    def __init__(self, arrays: Sequence[Any] | Stacked, index: jax.Array):
+        self.arrays, self.index = (arrays if isinstance(arrays, Stacked) else list(arrays)), index
 
     def __getitem__(self, key: Any) -> "IndexedWeight":
         if key is not Ellipsis:
@@ -43,11 +55,11 @@ class IndexedWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.arrays[0].shape)
+        return tuple(first_layer(self.arrays).shape)
 
     @property
     def dtype(self) -> Any:
-        return self.arrays[0].dtype
+        return first_layer(self.arrays).dtype
 
 
 class _Row:
@@ -88,6 +100,8 @@ class LayerView:
             stacked = self._stacks[name]
             if stacked is None:
                 return IndexedWeight(self._values[name], self._index)
+            if isinstance(stacked, Stacked):
+                return IndexedWeight(stacked, self._index)
             return _Row(stacked, self._index)
         attr = getattr(type(self._first), name, None)
         if callable(attr) and hasattr(attr, "__get__"):
@@ -95,10 +109,12 @@ class LayerView:
         return getattr(self._first, name)          # cfg and other static attributes
 
 
-def plan(layers: Sequence[nnx.Module], cfg: Any, can_index: Any) -> dict[str, Any] | None:
-    """The loop's per-weight plan (name -> None for a matrix read through IndexedWeight, or
-    its [L, n] stack for a vector), or None when the layers must unroll: they differ in
-    class, weights or static options, or a matrix weight has no indexing kernel."""
+def plan(layers: Sequence[nnx.Module], cfg: Any, can_index: Any,
+         stored: Any = None) -> dict[str, Any] | None:
+    """The loop's per-weight plan (name -> None for a matrix read through IndexedWeight from
+    every layer's, a ``Stacked`` matrix, or a vector's [L, n] stack), or None when the layers
+    must unroll: they differ in class, weights or static options, or a matrix weight has no
+    indexing kernel. ``stored``: the model's ``layer_stacks`` (``stack_weights``), if any."""
     if len(layers) < 2 or not getattr(type(layers[0]), "loopable", False):
         return None
     if len({_signature(layer) for layer in layers}) != 1:
@@ -108,7 +124,10 @@ def plan(layers: Sequence[nnx.Module], cfg: Any, can_index: Any) -> dict[str, An
         return None
     stacks: dict[str, Any] = {}
     for name, value in _weights(layers[0]).items():
-        if isinstance(value, jax.Array) and value.ndim <= 1:
+        if stored is not None and name in stored:
+            stacked = stored[name].get_value()
+            stacks[name] = stacked if isinstance(value, jax.Array) and value.ndim <= 1 else Stacked(stacked)
+        elif isinstance(value, jax.Array) and value.ndim <= 1:
             stacks[name] = jnp.stack([_weights(layer)[name] for layer in layers])
         elif can_index(value):
             stacks[name] = None
@@ -133,3 +152,49 @@ def run(layers: Sequence[nnx.Module], stacks: dict[str, Any], x: jax.Array, cos:
 
     x, ks, vs = jax.lax.fori_loop(0, len(layers), body, (x, ks, vs))
     return x, list(zip(ks, vs))
+
+
+class LayerStack(nnx.Variable):
+    """Every layer's value of one weight, stacked [L, ...] (``stack_weights``): not a
+    parameter of its own (the layers' ``Param``s are views of it), so not counted twice."""
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    raw = np.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + raw.size - ALIGN].view(dtype).reshape(shape)
+
+
+def _stack_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+    """Every layer's array of one field -> (their stack [L, ...], each layer's as a view of
+    it). One host copy, made ALIGN-aligned so the stack and its rows are adopted as buffers
+    without a copy; a row that is not (its size not a multiple of ALIGN) stays as it was."""
+    host = _aligned_empty((len(leaves), *leaves[0].shape), leaves[0].dtype)
+    for i, leaf in enumerate(leaves):
+        host[i] = np.asarray(leaf)
+    stacked = jax.device_put(host)
+    if stacked.unsafe_buffer_pointer() != host.ctypes.data or host[0].nbytes % ALIGN:
+        return stacked, leaves
+    return stacked, [jax.device_put(host[i]) for i in range(len(leaves))]
+
+
+def stack_weights(owner: nnx.Module, can_index: Any) -> dict[str, LayerStack] | None:
+    """Every weight of ``owner.layers`` stacked once, on the host: name -> LayerStack, and
+    each layer's weight made a view of its stack (the same bits; the old buffers are freed),
+    so the loop can pass one operand per array instead of one per layer (module doc). None
+    where the layers do not loop or a buffer is not adopted without a copy (not CPU). The
+    caller gives the stacks to its own copy of the model (``layer_stacks``): the model it
+    was handed keeps plain per-layer weights, whatever is done with it later (quantizing a
+    copy, a draft)."""
+    layers = list(getattr(owner, "layers", ()))
+    if jax.default_backend() != "cpu" or plan(layers, owner.cfg, can_index) is None:
+        return None
+    stacks = {}
+    for name, value in _weights(layers[0]).items():
+        treedef = jax.tree.structure(value)
+        per_field = zip(*[jax.tree.leaves(_weights(layer)[name]) for layer in layers])
+        fields = [_stack_leaves(list(leaves)) for leaves in per_field]
+        stacks[name] = LayerStack(jax.tree.unflatten(treedef, [s for s, _ in fields]))
+        for i, layer in enumerate(layers):
+            getattr(layer, name).set_value(jax.tree.unflatten(treedef, [views[i] for _, views in fields]))
+    return stacks

@@ -202,7 +202,8 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(tokens, tp_axis)                                # [T, D]
         # EngineConfig.layer_loop: one fori_loop over identical layers (models/layer_loop.py)
         attn_loop = getattr(attn, "layer_loop", None)
-        stacks = None if attn_loop is None else layer_loop.plan(list(self.layers), self.cfg, M.can_index)
+        stacks = None if attn_loop is None else layer_loop.plan(list(self.layers), self.cfg, M.can_index,
+                                                                getattr(self, "layer_stacks", None))
         if stacks is not None:
             cos, sin = self.rope(positions)[0]
             x, new_cache = layer_loop.run(list(self.layers), stacks, x, cos, sin, attn_loop, kv_cache, mm, tp_axis)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_build
+from pallas_kernels.layer_stack import Stacked, first_layer, members
 
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
@@ -177,29 +178,35 @@ def f32_matmul(x: jax.Array, w: jax.Array | PanelledF32 | CodedF32) -> jax.Array
     return jax.ffi.ffi_call(TARGET, out)(x, w)
 
 
-def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF32],
+def _layout(w: Any) -> type | None:
+    """A weight's layout: PanelledF32, CodedF32 or None (a plain [K, N] array)."""
+    return type(w) if isinstance(w, (PanelledF32, CodedF32)) else None
+
+
+def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF32] | Stacked,
                      layer: jax.Array) -> jax.Array:
     """x f32 [M, K] @ ws[layer] -> f32 [M, N], the same bits as ``f32_matmul(x, ws[layer])``.
-    ``ws``: every layer's weight, all of one shape and layout; ``layer``: a traced i32
-    scalar (e.g. a ``lax.fori_loop`` index). Each weight is an operand of its own and the
-    kernel picks one by pointer, so inside a loop nothing is sliced or copied (a stacked
-    weight's dynamic slice would be a copy per iteration; benchmarks/layer_loop_probe.py).
-    Call ``available()`` first."""
-    ws = list(ws)
-    if not ws:
+    ``ws``: every layer's weight, all of one shape and layout, each an operand of its own or
+    all in one ``Stacked`` weight (pallas_kernels/layer_stack.py); ``layer``: a traced i32
+    scalar (e.g. a ``lax.fori_loop`` index). The kernel picks the layer's by pointer, so
+    inside a loop nothing is sliced or copied (XLA's dynamic slice of a stack would be a copy
+    per iteration; benchmarks/layer_loop_probe.py). Call ``available()`` first."""
+    items, w0 = members(ws), first_layer(ws)
+    if not items:
         raise ValueError("f32_matmul_layer: needs at least one weight")
-    kind = type(ws[0])
-    if any(type(w) is not kind or w.shape != ws[0].shape or w.dtype != jnp.float32 for w in ws):
+    kind = type(items[0])
+    layers = [w0] if isinstance(ws, Stacked) else items      # one layer's weight each
+    if any(_layout(w) is not _layout(w0) or w.shape != w0.shape or w.dtype != jnp.float32 for w in layers):
         raise ValueError("f32_matmul_layer: every weight must be float32 of one shape and layout, got "
-                         f"{sorted({(tuple(w.shape), str(w.dtype), type(w).__name__) for w in ws})}")
-    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] != ws[0].shape[0]:
-        raise ValueError(f"f32_matmul_layer: x must be float32 [M, K={ws[0].shape[0]}], got {x.dtype} {x.shape}")
-    out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[1]), jnp.float32)
+                         f"{sorted({(tuple(w.shape), str(w.dtype), type(w).__name__) for w in layers})}")
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] != w0.shape[0]:
+        raise ValueError(f"f32_matmul_layer: x must be float32 [M, K={w0.shape[0]}], got {x.dtype} {x.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w0.shape[1]), jnp.float32)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     if kind is CodedF32:
         return jax.ffi.ffi_call(TARGET_LAYER, out)(
-            x, idx, *[w.codes for w in ws], *[w.scale for w in ws], *[w.offset for w in ws])
-    return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if kind is PanelledF32 else w for w in ws])
+            x, idx, *[w.codes for w in items], *[w.scale for w in items], *[w.offset for w in items])
+    return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if kind is PanelledF32 else w for w in items])
 
 
 def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:

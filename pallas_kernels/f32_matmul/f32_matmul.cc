@@ -634,18 +634,18 @@ ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // One layer's weight out of every layer's: operands x [M, K], layer i32[1], then w_0 ..
-// w_{L-1} (all plain [K, N] or all panel-major [N/16, K, 16]); computes x @ w_layer with
-// the same FMA chains as the calls above. Why: a loop over layers (lax.fori_loop) can pass
-// every layer's weight as a loop-invariant operand and pick one by pointer, where slicing a
-// stacked weight would copy it each iteration (benchmarks/layer_loop_probe.py).
+// w_{L-1} (all plain [K, N] or all panel-major [N/16, K, 16]) or their stack [L, ...]
+// (RemainingArgs::layer); computes x @ w_layer with the same FMA chains as the calls above.
+// Why: a loop over layers (lax.fori_loop) can pass every layer's weight as a loop-invariant
+// operand and pick one by pointer, where slicing a stacked weight in XLA would copy it each
+// iteration (benchmarks/layer_loop_probe.py).
 ffi::Error F32MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                               ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("f32_matmul_layer: layer must be one i32");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= static_cast<int64_t>(ws.size()))
-    return ffi::Error::InvalidArgument("f32_matmul_layer: layer index out of range");
-  auto w = ws.get<ffi::Buffer<ffi::F32>>(l);
-  if (!w.has_value()) return ffi::Error::InvalidArgument("f32_matmul_layer: weights must be float32");
+  XLA_FFI_Buffer wv;
+  auto w = ws.layer<ffi::Buffer<ffi::F32>>(0, 1, layer.typed_data()[0], wv);
+  if (!w.has_value())
+    return ffi::Error::InvalidArgument("f32_matmul_layer: layer index out of range, or weights not float32");
   const auto xd = x.dimensions(), wd = w->dimensions();
   const bool panelled = wd.size() == 3;
   if (xd.size() != 2 || (wd.size() != 2 && !(panelled && wd[2] == kNR)))
@@ -692,17 +692,18 @@ ffi::Error F32MatmulCodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 }
 
 // The layer loop's form for coded weights: x, layer i32[1], then codes_0 .. codes_{L-1},
-// scale_0 .., offset_0 .. (3L operands, one shape), as F32MatmulLayerImpl.
+// scale_0 .., offset_0 .. (3L operands, one shape) or the three stacks, as F32MatmulLayerImpl.
 ffi::Error F32MatmulLayerCodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                    ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: layer must be one i32");
   if (ws.size() % 3) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected 3 operands a layer");
-  const int64_t L = ws.size() / 3, l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: layer index out of range");
-  auto codes = ws.get<ffi::Buffer<ffi::S8>>(l);
-  auto scale = ws.get<ffi::Buffer<ffi::F32>>(L + l), offset = ws.get<ffi::Buffer<ffi::F32>>(2 * L + l);
+  const int64_t l = layer.typed_data()[0];
+  XLA_FFI_Buffer cv, sv, ov;
+  auto codes = ws.layer<ffi::Buffer<ffi::S8>>(0, 3, l, cv);
+  auto scale = ws.layer<ffi::Buffer<ffi::F32>>(1, 3, l, sv), offset = ws.layer<ffi::Buffer<ffi::F32>>(2, 3, l, ov);
   if (!codes || !scale || !offset)
-    return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected int8 codes, then f32 scales and offsets");
+    return ffi::Error::InvalidArgument(
+        "f32_matmul_layer_codes: layer index out of range, or not int8 codes, f32 scales and offsets");
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("f32_matmul_layer_codes: expected x [M, K]");
   Mat p{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], 0};

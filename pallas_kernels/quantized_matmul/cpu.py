@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_build
+from pallas_kernels.layer_stack import Stacked, first_layer, members
 from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
 TARGET = "jaxinfer_int8_matmul"
@@ -68,19 +69,21 @@ def int8_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def int8_matmul_layer(x: jax.Array, ws: Sequence[QuantizedWeight], layer: jax.Array) -> jax.Array:
+def int8_matmul_layer(x: jax.Array, ws: Sequence[QuantizedWeight] | Stacked, layer: jax.Array) -> jax.Array:
     """x [M, K] @ ws[layer] -> [M, N] in x's dtype, the same bits as ``int8_matmul(x,
-    ws[layer])``: every layer's weight (int8, one shape and layout) is an operand of its own
-    and a traced layer index picks one by pointer, so inside lax.fori_loop nothing is
-    sliced or copied (benchmarks/layer_loop_probe.py). Call ``available()`` first."""
-    ws = list(ws)
-    if not ws or any(not isinstance(w, QuantizedWeight) or w.bits != 8 or w.q.shape != ws[0].q.shape
-                     for w in ws):
+    ws[layer])``: every layer's weight (int8, one shape and layout), each an operand of its
+    own or all in one ``Stacked`` weight (pallas_kernels/layer_stack.py); a traced layer
+    index picks one by pointer, so inside lax.fori_loop nothing is sliced or copied
+    (benchmarks/layer_loop_probe.py). Call ``available()`` first."""
+    items, w0 = members(ws), first_layer(ws)
+    layers = [w0] if isinstance(ws, Stacked) else items      # one layer's weight each
+    if not items or any(not isinstance(w, QuantizedWeight) or w.bits != 8 or w.q.shape != w0.q.shape
+                        for w in layers):
         raise ValueError("int8_matmul_layer: every weight must be an int8 QuantizedWeight of one shape and layout")
-    K, N = ws[0].shape
+    K, N = w0.shape
     if x.ndim != 2 or x.shape[1] != K:
         raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     y = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
-        x.astype(jnp.float32), idx, *[w.q for w in ws], *[w.scales.astype(jnp.float32) for w in ws])
+        x.astype(jnp.float32), idx, *[w.q for w in items], *[w.scales.astype(jnp.float32) for w in items])
     return y.astype(x.dtype)

@@ -289,19 +289,19 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // One layer's weight out of every layer's (the layer loop: benchmarks/layer_loop_probe.py):
-// operands x [M, K], layer i32[1], then q_0 .. q_{L-1} and scale_0 .. scale_{L-1}; picks
-// the pair by pointer (no slice, no copy inside lax.fori_loop), the same bits as above.
+// operands x [M, K], layer i32[1], then q_0 .. q_{L-1} and scale_0 .. scale_{L-1}, or the
+// two stacks q [L, ...] and scale [L, N] (RemainingArgs::layer); picks the pair by pointer
+// (no slice, no copy inside lax.fori_loop), the same bits as above.
 ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
-  const int64_t L = static_cast<int64_t>(ws.size()) / 2;
   if (layer.element_count() != 1 || ws.size() % 2)
     return ffi::Error::InvalidArgument("int8_matmul_layer: expected one i32 layer and (q, scale) per layer");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("int8_matmul_layer: layer index out of range");
-  auto q = ws.get<ffi::AnyBuffer>(l);
-  auto scale = ws.get<ffi::Buffer<ffi::F32>>(L + l);
+  XLA_FFI_Buffer qv, sv;
+  auto q = ws.layer<ffi::AnyBuffer>(0, 2, l, qv);
+  auto scale = ws.layer<ffi::Buffer<ffi::F32>>(1, 2, l, sv);
   if (!q.has_value() || !scale.has_value())
-    return ffi::Error::InvalidArgument("int8_matmul_layer: expected int8 q and float32 scales");
+    return ffi::Error::InvalidArgument("int8_matmul_layer: layer index out of range, or not int8 q and float32 scales");
   return Int8MatmulImpl(pool, x, *q, *scale, y);
 }
 

@@ -278,6 +278,24 @@ class ModelRunner:
         self.mesh = mesh
         self.publisher = publisher
         pipelined = shd.pp_size(mesh) > 1
+        self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
+                                                                 kv_dtype=spec.dtype,
+                                                                 alibi=L.model_alibi_slopes(self.cfg) is not None)
+        # EngineConfig.layer_loop: the C++ paged attention (float32 or int8 pages),
+        # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
+        # (models/layer_loop.py)
+        self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None
+                               and not offload_layers)
+        if self.layer_loop:
+            body_opts["layer_loop"] = True
+            # one device: every layer's weights stacked once (one loop operand per array,
+            # not per layer: ~4 MiB less per step executable, models/layer_loop.py), held
+            # by this runner's copy of the model. Before the model is split: nothing here
+            # may hold the layers' old buffers while their stacks are made.
+            stacks = layer_loop_mod.stack_weights(model, M.can_index) if mesh is None else None
+            if stacks:
+                model = nnx.merge(*nnx.split(model))
+                model.layer_stacks = nnx.Dict(stacks)
         if pipelined:         # layers cut into stages over the mesh's "stage" axis
             from jaxinfer.engine import pipeline
 
@@ -291,25 +309,6 @@ class ModelRunner:
 
             self.state = offload.place(self.state, offload_layers)
         self.state_leaves, self.state_def = jax.tree.flatten(self.state)
-        self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
-                                                                 kv_dtype=spec.dtype,
-                                                                 alibi=L.model_alibi_slopes(self.cfg) is not None)
-        # EngineConfig.layer_loop: the C++ paged attention (float32 or int8 pages),
-        # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
-        # (models/layer_loop.py)
-        self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None
-                               and not offload_layers)
-        if self.layer_loop:
-            body_opts["layer_loop"] = True
-            # one device: every layer's weights stacked once (one loop operand per array,
-            # not per layer: ~4 MiB less per step executable, models/layer_loop.py), held
-            # by this runner's copy of the model
-            stacks = layer_loop_mod.stack_weights(model, M.can_index) if mesh is None else None
-            if stacks:
-                model = nnx.merge(*nnx.split(model))
-                model.layer_stacks = nnx.Dict(stacks)
-                self.graphdef, self.state = nnx.split(model)
-                self.state_leaves, self.state_def = jax.tree.flatten(self.state)
         V = self.cfg.vocab_size
         self.pen = (self._zeros((num_rows, V), bool), self._zeros((num_rows, V), jnp.int32))
         if mesh is None:

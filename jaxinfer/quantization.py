@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +64,31 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) 
     group = int4_group(model.cfg) if bits == 4 else 0
     model = model if in_place else _shallow_copy(model)
     for param in _matmul_params(model, MATMUL_WEIGHTS):
-        param.set_value(pack_for_backend(_quantize(param.get_value(), bits, group or 128)))
+        if not hasattr(param.get_value(), "scales"):      # weight_finisher may have done it
+            param.set_value(pack_for_backend(_quantize(param.get_value(), bits, group or 128)))
     return fuse_projections(model)
+
+
+def weight_finisher(cfg: Any, mode: str | None) -> Callable[[str, jax.Array], Any] | None:
+    """For a load (loading.load_model's ``finish``): each matmul weight quantized as it is
+    read, exactly as quantize_model would (per weight, fused afterwards), so a quantized
+    load never holds the whole float32 model (the int8 default model's cold load peaked at
+    ~960 MiB that way). None where nothing is quantized or the family is not (MoE)."""
+    from jaxinfer.matmul import pack_for_backend
+    from jaxinfer.models.registry import model_class
+
+    bits = check_mode(mode)
+    if bits is None or not getattr(model_class(cfg.architecture), "quantization", True):
+        return None
+
+    group = int4_group(cfg) if bits == 4 else 0
+
+    def finish(path: str, value: jax.Array) -> Any:
+        if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS:
+            return value
+        return pack_for_backend(_quantize(value, bits, group or 128))
+
+    return finish
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

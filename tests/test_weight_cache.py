@@ -36,6 +36,29 @@ def _state(model) -> dict:
     return out
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_as_read_equals_quantized_after_the_load(gguf_path, quantization, monkeypatch):
+    """load_prepared quantizes each matmul weight as the loader reads it
+    (quantization.weight_finisher: the float32 model is never whole in memory): the same
+    containers and bits as loading the float32 model and quantizing it afterwards."""
+    from jaxinfer.loading import load_model
+    from jaxinfer.quantization import prepare_for_engine
+
+    finishers = []
+    real = prepared.load_model
+    monkeypatch.setattr(prepared, "load_model", lambda *a, **k: finishers.append(k.get("finish")) or real(*a, **k))
+    as_read = _state(load_prepared(gguf_path, "float32", quantization, "").model)
+    assert len(finishers) == 1 and finishers[0] is not None          # quantized as read
+    after = _state(prepare_for_engine(load_model(gguf_path, "float32").model, quantization, in_place=True))
+    assert as_read.keys() == after.keys()
+    assert any(kind == "QuantizedWeight" for kind, _ in as_read.values())
+    for path in after:
+        assert as_read[path][0] == after[path][0], path
+        for x, y in zip(as_read[path][1], after[path][1], strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape, path
+            np.testing.assert_array_equal(x, y, err_msg=str(path))
+
+
 def _loads_from_source(monkeypatch) -> list[str]:
     calls = []
     real = prepared.load_model

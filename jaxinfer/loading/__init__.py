@@ -14,30 +14,30 @@ from jaxinfer.loading.model import (DTYPES, LoadedModel, build_model, hf_tensors
                                     resolve_dtype)
 from jaxinfer.models.registry import config_from_hf, model_class
 
-def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None
-           ) -> tuple[ModelConfig, Any]:
+def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: Any, mesh: Any = None,
+           finish: Any = None) -> tuple[ModelConfig, Any]:
     cfg = config_from_hf(hf_config)
     model_class(cfg.architecture)   # raises for unsupported architectures, naming them
-    return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh)
+    return cfg, build_model(cfg, hf_tensors_to_flat(cfg, tensors), dtype, mesh, finish)
 
 
-def load_hf_dir(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
+def load_hf_dir(path: str, dtype: Any, mesh: Any = None, finish: Any = None) -> LoadedModel:
     from jaxinfer.loading.safetensors import load_safetensors, read_json
     from jaxinfer.loading.tokenizer import Tokenizer
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
     config_from_hf(hf_config)   # validate before reading weights
-    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh)
+    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh, finish)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)
 
 
-def load_gguf_file(path: str, dtype: Any, mesh: Any = None) -> LoadedModel:
+def load_gguf_file(path: str, dtype: Any, mesh: Any = None, finish: Any = None) -> LoadedModel:
     from jaxinfer.loading.gguf import load_gguf
 
     ck = load_gguf(path, dtype=np.float32)
-    cfg, model = _build(ck.config, ck.tensors, dtype, mesh)
+    cfg, model = _build(ck.config, ck.tensors, dtype, mesh, finish)
     return LoadedModel(cfg, model, ck.tokenizer, dict(ck.generation_config), path, dict(ck.config))
 
 
@@ -78,9 +78,11 @@ def load_tokenizer(model: str | None = None) -> Any:
     raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
 
 
-def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None) -> LoadedModel:
+def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = None,
+               finish: Any = None) -> LoadedModel:
     """``model``: None (embedded default), an HF dir, a .gguf file, or a converted dir.
-    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards."""
+    ``mesh`` (sharding.make_mesh): weights go straight into their tensor-parallel shards.
+    ``finish(path, value)``: each weight's final form as it is read (base.build_params)."""
     from jaxinfer.loading import checkpoint
 
     t0 = time.perf_counter()
@@ -88,14 +90,14 @@ def load_model(model: str | None = None, dtype: Any = "float32", mesh: Any = Non
     path = model_path(model)
     if os.path.isdir(path):
         if checkpoint.is_converted(path):
-            loaded = checkpoint.restore(path, dtype, mesh)
+            loaded = checkpoint.restore(path, dtype, mesh, finish)
         elif os.path.exists(os.path.join(path, "config.json")):
-            loaded = load_hf_dir(path, dtype, mesh)
+            loaded = load_hf_dir(path, dtype, mesh, finish)
         else:
             raise ValueError(f"model: {path} is a directory without config.json "
                              "(not an HF checkpoint nor a `jaxinfer convert` output)")
     elif path.endswith(".gguf"):
-        loaded = load_gguf_file(path, dtype, mesh)
+        loaded = load_gguf_file(path, dtype, mesh, finish)
     else:
         raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
     loaded.load_seconds = time.perf_counter() - t0

@@ -42,7 +42,7 @@ def save(loaded: Any, out_dir: str) -> str:
     return out_dir
 
 
-def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
+def restore(path: str, dtype: Any, mesh: Any = None, finish: Any = None) -> Any:
     """Read a converted checkpoint. With ``mesh``, orbax reads each weight straight into its
     tensor-parallel shards (KV-head weights that must be repeated come back replicated,
     then are repeated and re-placed)."""
@@ -79,7 +79,7 @@ def restore(path: str, dtype: Any, mesh: Any = None) -> Any:
         abstract = {p: jax.ShapeDtypeStruct(s.shape, saved_dtype, sharding=where(s)) for p, s in specs.items()}
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(path, "params"), abstract)
-    model = build_model(cfg, params, dtype, mesh)
+    model = build_model(cfg, params, dtype, mesh, finish)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)

@@ -75,14 +75,17 @@ def _hf_tensor(spec: Any, tensors: dict[str, np.ndarray], name: str, shape: tupl
     return np.swapaxes(t, -1, -2) if spec.transpose else t
 
 
-def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None
-                ) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, flat: dict[str, Any], dtype: Any, mesh: Any = None,
+                finish: Any = None) -> LlamaForCausalLM:
     """Our-path host arrays -> the module, placed on ``mesh`` (each device receives only its
-    shards; KV heads repeated where the model axis needs it) or on the default device."""
+    shards; KV heads repeated where the model axis needs it) or on the default device.
+    ``finish``: see base.build_params (one device only)."""
     from jaxinfer import sharding
 
     if mesh is None:
-        return params_from_flat(cfg, flat, dtype)
+        return params_from_flat(cfg, flat, dtype, finish=finish)
+    if finish is not None:
+        raise ValueError("build_model: finish applies to a one-device load only")
     tp = sharding.tp_size(mesh)
     if tp > 1 and not getattr(model_class(cfg.architecture), "tensor_parallel", True):
         raise ValueError(f"tensor_parallel_size: {cfg.architecture} does not support tensor "

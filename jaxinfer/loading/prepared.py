@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxinfer.loading import LoadedModel, load_model, model_path
+from jaxinfer.loading import LoadedModel, load_model, model_path, read_config
 from jaxinfer.loading import weight_cache
 
 log = logging.getLogger("jaxinfer")
@@ -26,7 +26,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     (``codes``: EngineConfig.weight_codes); through the weight cache ``cache_dir``
     (EngineConfig.weight_cache_dir) unless it is None / ""."""
     from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
-    from jaxinfer.quantization import prepare_for_engine
+    from jaxinfer.quantization import prepare_for_engine, weight_finisher
 
     t0 = time.perf_counter()
     cache_dir = weight_cache.resolve_dir(cache_dir)
@@ -40,7 +40,9 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
             log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
             return hit
     with large_blocks_mapped():
-        loaded = load_model(model, dtype)
+        # quantized as each weight is read: the float32 model is never whole in memory
+        finish = weight_finisher(read_config(model), quantization)
+        loaded = load_model(model, dtype, finish=finish)
         loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
     release_host_memory()
     if key:

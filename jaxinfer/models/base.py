@@ -97,13 +97,15 @@ def abstract_model(cls: Any, cfg: ModelConfig, dtype: Any) -> nnx.Module:
 
 
 def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
-                 place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None
-                 ) -> nnx.Module:
+                 place: Callable[[tuple[str | None, ...], Any], jax.Array] | None = None,
+                 finish: Callable[[str, jax.Array], Any] | None = None) -> nnx.Module:
     """Build family ``cls``'s module with every weight taken from ``flat`` (our paths -> arrays).
 
     The module is created abstractly (no random init is materialized), then filled.
     ``place(logical_axes, host_array)`` puts each weight where it lives (sharding.placer:
-    each device gets only its slice); by default the default device.
+    each device gets only its slice); by default the default device. ``finish(path,
+    value)``: each weight's final form, made as soon as it is read (a quantized load then
+    never holds the whole float model: quantization.weight_finisher).
     """
     specs = cls.weight_specs(cfg)
     missing = [p for p in specs if p not in flat]
@@ -122,7 +124,7 @@ def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = 
             value = place(spec.axes, arr.astype(dtype))
         else:
             value = place(spec.axes, np.asarray(arr).astype(np.dtype(dtype), copy=False))
-        get_param(model, path).set_value(value)
+        get_param(model, path).set_value(value if finish is None else finish(path, value))
     return model
 
 

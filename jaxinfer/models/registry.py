@@ -58,6 +58,7 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
 
 
 def params_from_flat(cfg: ModelConfig, flat: dict[str, Any], dtype: Any = jnp.float32,
-                     place: Callable[[tuple[str | None, ...], Any], Any] | None = None) -> Any:
+                     place: Callable[[tuple[str | None, ...], Any], Any] | None = None,
+                     finish: Callable[[str, Any], Any] | None = None) -> Any:
     """``cfg``'s family module with every weight taken from ``flat`` (base.build_params)."""
-    return build_params(model_class(cfg.architecture), cfg, flat, dtype, place)
+    return build_params(model_class(cfg.architecture), cfg, flat, dtype, place, finish)

@@ -69,11 +69,12 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) 
     return fuse_projections(model)
 
 
-def weight_finisher(cfg: Any, mode: str | None) -> Callable[[str, jax.Array], Any] | None:
+def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[[str, jax.Array], Any] | None:
     """For a load (loading.load_model's ``finish``): each matmul weight quantized as it is
-    read, exactly as quantize_model would (per weight, fused afterwards), so a quantized
-    load never holds the whole float32 model (the int8 default model's cold load peaked at
-    ~960 MiB that way). None where nothing is quantized or the family is not (MoE)."""
+    read, exactly as quantize_model would (per weight, fused afterwards), and the embedding
+    coded as code_embedding would (``codes``), so a quantized load never holds the whole
+    float32 model (the int8 default model's cold load peaked at ~960 MiB that way). None
+    where nothing is quantized or the family is not (MoE)."""
     from jaxinfer.matmul import pack_for_backend
     from jaxinfer.models.registry import model_class
 
@@ -84,6 +85,8 @@ def weight_finisher(cfg: Any, mode: str | None) -> Callable[[str, jax.Array], An
     group = int4_group(cfg) if bits == 4 else 0
 
     def finish(path: str, value: jax.Array) -> Any:
+        if path == "embed" and codes:
+            return coded_table(value)
         if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS:
             return value
         return pack_for_backend(_quantize(value, bits, group or 128))
@@ -294,21 +297,26 @@ def code_embedding(model: nnx.Module) -> nnx.Module:
     ``columns_as_rows`` gives the table's rows bitwise). Why: a quantized model's matmul
     weights are int8, but its embedding stayed float32, the largest array left (113 MB for
     SmolLM2; 32 MB as codes). Others stay as they are (CPU with the f32 kernel only)."""
+    embed = getattr(model, "embed", None)
+    if isinstance(embed, nnx.Variable):
+        embed.set_value(coded_table(embed.get_value()))
+    return model
+
+
+def coded_table(table: Any) -> Any:
+    """An embedding table as code_embedding keeps it: a TiedEmbedding over its exact codes,
+    or the table itself where it has none (or is not a one-device float32 array on CPU)."""
     from jaxinfer.matmul import f32_kernel_applies
     from pallas_kernels.f32_matmul.codes import encode
 
-    embed = getattr(model, "embed", None)
-    table = embed.get_value() if isinstance(embed, nnx.Variable) else None
     if not (isinstance(table, jax.Array) and table.ndim == 2 and f32_kernel_applies(table)
             and len(table.devices()) == 1):
-        return model
+        return table
     from pallas_kernels.f32_matmul.cpu import PanelledF32
 
     panelled = _panel(table.T)          # stays a plain array where V is not a multiple of 16
     coded = encode(panelled) if isinstance(panelled, PanelledF32) else None
-    if coded is not None:
-        embed.set_value(TiedEmbedding(coded))
-    return model
+    return table if coded is None else TiedEmbedding(coded)
 
 
 def is_quantized(model: nnx.Module) -> bool:

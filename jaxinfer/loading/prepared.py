@@ -41,7 +41,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
             return hit
     with large_blocks_mapped():
         # quantized as each weight is read: the float32 model is never whole in memory
-        finish = weight_finisher(read_config(model), quantization)
+        finish = weight_finisher(read_config(model), quantization, codes)
         loaded = load_model(model, dtype, finish=finish)
         loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
     release_host_memory()

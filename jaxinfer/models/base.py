@@ -124,6 +124,7 @@ def build_params(cls: Any, cfg: ModelConfig, flat: dict[str, Any], dtype: Any = 
             value = place(spec.axes, arr.astype(dtype))
         else:
             value = place(spec.axes, np.asarray(arr).astype(np.dtype(dtype), copy=False))
+        del arr                               # the host copy, before finish makes more
         get_param(model, path).set_value(value if finish is None else finish(path, value))
     return model
 

@@ -182,7 +182,8 @@ def stack_weights(owner: nnx.Module, can_index: Any) -> dict[str, LayerStack] | 
     """Every weight of ``owner.layers`` stacked once, on the host: name -> LayerStack, and
     each layer's weight made a view of its stack (the same bits; the old buffers are freed),
     so the loop can pass one operand per array instead of one per layer (module doc). None
-    where the layers do not loop or a buffer is not adopted without a copy (not CPU). The
+    off CPU or where the layers do not loop; a row XLA would not adopt without a copy (its
+    size not a multiple of ALIGN bytes) keeps its own buffer, a small second copy. The
     caller gives the stacks to its own copy of the model (``layer_stacks``): the model it
     was handed keeps plain per-layer weights, whatever is done with it later (quantizing a
     copy, a draft)."""

@@ -99,6 +99,11 @@ def test_token_clock_and_summary_arithmetic():
     assert r.itl == pytest.approx([0.1, 0.1, 0.3])
     assert r.token_times == pytest.approx([1.5, 1.7, 1.7, 2.0])
     assert r.tpot == pytest.approx(0.5 / 3)
+    first_two = RequestResult(ok=True, prompt_tokens=3)   # the stream's first chunk held 2 tokens
+    c = TokenClock(first_two, sent=0.0, run_start=0.0)
+    c.tokens(2, 0.4)
+    c.tokens(3, 0.6)
+    assert first_two.ttft == pytest.approx(0.4) and first_two.itl == pytest.approx([0.0, 0.2])
     slow = RequestResult(ok=True, prompt_tokens=3, output_tokens=2, ttft=2.0, latency=3.0)
     failed = RequestResult(ok=False, error="HTTP 503: busy")
     s = report.summarize([r, slow, failed], duration=2.0, percentiles=(50, 99),

@@ -46,6 +46,9 @@ class TokenClock:
             return
         if self.last is None:
             self.r.ttft = now - self.sent
+            # tokens that came with the first: no gap after it, but still one ITL each,
+            # so every request has output_tokens - 1 of them however the stream chunks
+            self.r.itl.extend([0.0] * (k - 1))
         else:       # k tokens arrived together: k gaps, each a k-th of the wait
             self.r.itl.extend([(now - self.last) / k] * k)
         self.r.token_times.extend([now - self.run_start] * k)

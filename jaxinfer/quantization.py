@@ -59,14 +59,21 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) 
     if not getattr(type(model), "quantization", True):
         raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
                          "(mixture-of-experts weights are not quantized yet); run it unquantized")
-    from jaxinfer.matmul import pack_for_backend
-
-    group = int4_group(model.cfg) if bits == 4 else 0
+    quantized = _weight_quantizer(model.cfg, bits)
     model = model if in_place else _shallow_copy(model)
     for param in _matmul_params(model, MATMUL_WEIGHTS):
         if not hasattr(param.get_value(), "scales"):      # weight_finisher may have done it
-            param.set_value(pack_for_backend(_quantize(param.get_value(), bits, group or 128)))
+            param.set_value(quantized(param.get_value()))
     return fuse_projections(model)
+
+
+def _weight_quantizer(cfg: Any, bits: int) -> Callable[[jax.Array], Any]:
+    """One float matmul weight -> its quantized form, laid out for this backend's kernel
+    (the one rule quantize_model and weight_finisher share)."""
+    from jaxinfer.matmul import pack_for_backend
+
+    group = (int4_group(cfg) if bits == 4 else 0) or 128
+    return lambda w: pack_for_backend(_quantize(w, bits, group))
 
 
 def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[[str, jax.Array], Any] | None:
@@ -75,21 +82,19 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
     coded as code_embedding would (``codes``), so a quantized load never holds the whole
     float32 model (the int8 default model's cold load peaked at ~960 MiB that way). None
     where nothing is quantized or the family is not (MoE)."""
-    from jaxinfer.matmul import pack_for_backend
     from jaxinfer.models.registry import model_class
 
     bits = check_mode(mode)
     if bits is None or not getattr(model_class(cfg.architecture), "quantization", True):
         return None
-
-    group = int4_group(cfg) if bits == 4 else 0
+    quantized = _weight_quantizer(cfg, bits)
 
     def finish(path: str, value: jax.Array) -> Any:
         if path == "embed" and codes:
             return coded_table(value)
         if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS:
             return value
-        return pack_for_backend(_quantize(value, bits, group or 128))
+        return quantized(value)
 
     return finish
 

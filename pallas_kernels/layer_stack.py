@@ -37,6 +37,12 @@ def members(ws: Sequence[Any] | Stacked) -> list[Any]:
     return [ws.value] if isinstance(ws, Stacked) else list(ws)
 
 
+def layer_weights(ws: Sequence[Any] | Stacked) -> list[Any]:
+    """One layer's weight each, for the checks every layer must pass: every layer's, or the
+    stack's (abstract) one layer."""
+    return [ws.layer] if isinstance(ws, Stacked) else list(ws)
+
+
 def first_layer(ws: Sequence[Any] | Stacked) -> Any:
     """Layer 0's weight (abstract for a stack), for checks every layer shares; None if none."""
     if isinstance(ws, Stacked):

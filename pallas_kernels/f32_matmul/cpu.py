@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_build
-from pallas_kernels.layer_stack import Stacked, first_layer, members
+from pallas_kernels.layer_stack import Stacked, first_layer, layer_weights, members
 
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
@@ -195,7 +195,7 @@ def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF
     if not items:
         raise ValueError("f32_matmul_layer: needs at least one weight")
     kind = type(items[0])
-    layers = [w0] if isinstance(ws, Stacked) else items      # one layer's weight each
+    layers = layer_weights(ws)
     if any(_layout(w) is not _layout(w0) or w.shape != w0.shape or w.dtype != jnp.float32 for w in layers):
         raise ValueError("f32_matmul_layer: every weight must be float32 of one shape and layout, got "
                          f"{sorted({(tuple(w.shape), str(w.dtype), type(w).__name__) for w in layers})}")

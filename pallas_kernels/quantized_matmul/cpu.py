@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_build
-from pallas_kernels.layer_stack import Stacked, first_layer, members
+from pallas_kernels.layer_stack import Stacked, first_layer, layer_weights, members
 from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
 TARGET = "jaxinfer_int8_matmul"
@@ -76,9 +76,8 @@ def int8_matmul_layer(x: jax.Array, ws: Sequence[QuantizedWeight] | Stacked, lay
     index picks one by pointer, so inside lax.fori_loop nothing is sliced or copied
     (benchmarks/layer_loop_probe.py). Call ``available()`` first."""
     items, w0 = members(ws), first_layer(ws)
-    layers = [w0] if isinstance(ws, Stacked) else items      # one layer's weight each
     if not items or any(not isinstance(w, QuantizedWeight) or w.bits != 8 or w.q.shape != w0.q.shape
-                        for w in layers):
+                        for w in layer_weights(ws)):
         raise ValueError("int8_matmul_layer: every weight must be an int8 QuantizedWeight of one shape and layout")
     K, N = w0.shape
     if x.ndim != 2 or x.shape[1] != K:

@@ -118,13 +118,24 @@ class RemainingArgs {
   // operand is not a buffer of type B or l is not one of its layers.
   template <class B>
   std::optional<B> layer(size_t kind, size_t kinds, int64_t l, XLA_FFI_Buffer& view) const {
-    const size_t n = size();
-    if (kinds == 0 || n == 0 || n % kinds || kind >= kinds || l < 0) return std::nullopt;
-    const size_t per = n / kinds;
-    if (per > 1) return l < static_cast<int64_t>(per) ? get<B>(kind * per + l) : std::nullopt;
-    const int64_t i = from_ + static_cast<int64_t>(kind);
-    if (a_->types[i] != XLA_FFI_ArgType_BUFFER) return std::nullopt;
-    const auto* b = static_cast<const XLA_FFI_Buffer*>(a_->args[i]);
+    return layer_of<B>(a_->types, a_->args, a_->size, from_, kind, kinds, l, view);
+  }
+
+  // These operands from `k` more on (a kernel's groups after some leading operands).
+  RemainingArgs skip(size_t k) const { return RemainingArgs(a_, from_ + static_cast<int64_t>(k)); }
+
+  // `layer` over items [from, n) of an argument or result list (both sides use it: the
+  // in-place KV write reads a stacked result the same way as its operand).
+  template <class B>
+  static std::optional<B> layer_of(const void* types, void* const* items, int64_t n, int64_t from,
+                                   size_t kind, size_t kinds, int64_t l, XLA_FFI_Buffer& view) {
+    const size_t size = static_cast<size_t>(n - from);
+    if (kinds == 0 || size == 0 || size % kinds || kind >= kinds || l < 0) return std::nullopt;
+    const size_t per = size / kinds;
+    if (per > 1) return l < static_cast<int64_t>(per) ? decode<B>(types, items, n, from + kind * per + l) : std::nullopt;
+    const int64_t i = from + static_cast<int64_t>(kind);
+    if (static_cast<const int*>(types)[i] != XLA_FFI_ArgType_BUFFER) return std::nullopt;
+    const auto* b = static_cast<const XLA_FFI_Buffer*>(items[i]);
     size_t row = element_bytes(b->dtype);
     if (b->rank < 1 || l >= b->dims[0] || row == 0 || !accepts<B>(b)) return std::nullopt;
     for (int64_t r = 1; r < b->rank; ++r) row *= static_cast<size_t>(b->dims[r]);
@@ -168,6 +179,11 @@ class RemainingRets {
   template <class B>
   std::optional<B> get(size_t i) const {
     return RemainingArgs::decode<B>(r_->types, r_->rets, r_->size, from_ + static_cast<int64_t>(i));
+  }
+  // RemainingArgs::layer for results (the layer loop's in-place writes).
+  template <class B>
+  std::optional<B> layer(size_t kind, size_t kinds, int64_t l, XLA_FFI_Buffer& view) const {
+    return RemainingArgs::layer_of<B>(r_->types, r_->rets, r_->size, from_, kind, kinds, l, view);
   }
 
  private:

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, SamplingParams
+from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import LoadedModel
 from jaxinfer.models import layer_loop
@@ -67,9 +68,13 @@ def test_loop_gives_the_unrolled_bits(tiny, quantization):
     for b, exe in rl.executables.items():
         text, unrolled_text = exe.as_text(), ru.executables[b].as_text()
         assert " while(" in text and len(text) < len(unrolled_text), b
-        # every layer weight's array is one stacked operand, not one per layer
+        # every layer weight's array and every kind of KV page is one stacked operand, not one per layer
         per_layer = len(jax.tree.leaves(rl.state["layers"][0]))
-        assert _entry_parameters(text) == _entry_parameters(unrolled_text) - (len(rl.state["layers"]) - 1) * per_layer
+        L = len(rl.state["layers"])
+        kv_per_layer = len(jax.tree.leaves(ru.kv)) // L
+        assert _entry_parameters(text) == _entry_parameters(unrolled_text) - (L - 1) * (per_layer + kv_per_layer)
+    assert isinstance(rl.kv, kvc.StackedKV) and isinstance(ru.kv, list)
+    assert rl.kv.num_layers == len(ru.kv) and len(jax.tree.leaves(rl.kv)) == kv_per_layer
     _layers_are_views_of_their_stacks(rl.state)
     assert not hasattr(tiny.model, "layer_stacks")     # the runner's copy holds them
     compiled = (len(rl.executables), len(rl.samplers))

@@ -115,11 +115,13 @@ class Engine:
             from jaxinfer.engine.multihost import StepPublisher
             if R.process_index() == 0:
                 self.publisher = StepPublisher()
+        # a 'self' draft may step on the target's pool (its first layers: the per-layer form)
+        shares = draft is not None and draft_pool(self.kv_spec) is None
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
-                                      m, mesh, attention, self.publisher, self.model_config, self.loras)
+                                      m, mesh, attention, self.publisher, self.model_config, self.loras,
+                                      stack_kv=not shares)
                          for m, mesh in zip(models, meshes or [None])]
-        # after the target's pool, which a 'self' draft may step on (the same decision)
-        steps_on = None if draft is None or draft_pool(self.kv_spec) is not None else self.replicas[0].runner
+        steps_on = self.replicas[0].runner if shares else None
         self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
             draft, self.kv_spec, self.ladders, config, attention, target=steps_on))
         del draft

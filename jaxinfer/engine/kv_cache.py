@@ -14,6 +14,15 @@ every layer's pages as variadic operands plus the layer index, with the write al
 of them in -> out, run inside ``lax.fori_loop`` without a copy and with the same bits
 (benchmarks/layer_loop_probe.py; RESULTS.md "A loop over layers without stacking").
 
+The layer loop's stacked form (``StackedKV``): on one CPU device, when the model's layers
+run as one loop (models/layer_loop.py), the pool is instead one ``[L, num_pages, ...]``
+array per kind (K, V; int8 pages' values and scales): the C++ kernels read layer l's rows
+by pointer, so nothing is sliced, and the loop carries 2 (int8: 4) buffers instead of 2L
+(4L). Why: a loaded XLA:CPU executable holds several KiB per HLO instruction, and every
+page array carried through the loop costs ~4 of them in each of ~21 step executables
+(RESULTS.md, "The KV pool stacked"). Page operations (kv_offload.py) index the page axis
+through ``page_axis``; the unrolled model never sees the stacked form.
+
 Page 0 is the padding sink: padded tokens of a step carry a slot inside page 0, unused
 page-table entries point at page 0, and nothing ever reads it as real data (the attention
 masks every position past a sequence's kv_len with a select, so even NaN there is harmless).
@@ -29,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KVCache = list  # list over layers of (k_pages, v_pages), each [N, page_size, KVH, D]
+KVCache = list  # list over layers of (k_pages, v_pages), each [N, page_size, KVH, D]; or StackedKV
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +71,25 @@ class QuantizedPages:
 
     def dequantize(self) -> jax.Array:
         return self.q.astype(jnp.float32) * self.scale[..., None]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StackedKV:
+    """Every layer's pages as one array per kind (the layer loop's pool, module doc): ``k``,
+    ``v`` [L, N, page_size, KVH, D], or QuantizedPages whose q and scale carry the leading L."""
+
+    k: Any
+    v: Any
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k.shape[0])
+
+
+def page_axis(kv: Any) -> int:
+    """The axis of the pool's leaves that counts pages: 1 stacked [L, N, ...], else 0."""
+    return 1 if isinstance(kv, StackedKV) else 0
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,26 +163,31 @@ class KVCacheSpec:
                            self.dtype)
 
 
-def abstract_kv_cache(spec: KVCacheSpec) -> KVCache:
+def abstract_kv_cache(spec: KVCacheSpec, stacked: bool = False) -> KVCache:
     """The pool's shapes and dtypes on one device (what ``allocate_kv_cache`` would make),
     allocating nothing."""
-    shape = (spec.num_pages, *spec.page_shape)
+    lead = (spec.num_layers,) if stacked else ()
+    shape = (*lead, spec.num_pages, *spec.page_shape)
     if spec.quantized:
         pages = QuantizedPages(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
     else:
         pages = jax.ShapeDtypeStruct(shape, jnp.dtype(spec.dtype))
-    return [(pages, pages) for _ in range(spec.num_layers)]
+    return StackedKV(pages, pages) if stacked else [(pages, pages) for _ in range(spec.num_layers)]
 
 
-def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = False) -> KVCache:
-    """Zero-filled pages: a list over layers of (k_pages, v_pages). With a ``mesh`` the
-    pages are split by KV head over its model axis; each device allocates its part.
+def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = False,
+                      stacked: bool = False) -> KVCache:
+    """Zero-filled pages: a list over layers of (k_pages, v_pages), or with ``stacked`` (one
+    device; the layer loop's form) a ``StackedKV``. With a ``mesh`` the pages are split by
+    KV head over its model axis; each device allocates its part.
 
     ``untouched`` (the engine's pool, whose attention never reads a slot before a step
     writes it: see the module docstring): on one CPU device (``lazily_resident``) pages of
     unspecified content, never written here, so the pool costs RAM only for the pages
     requests have used and can be sized for what the configuration can use."""
-    shape = (spec.num_pages, *spec.page_shape)
+    if stacked and mesh is not None:
+        raise ValueError("allocate_kv_cache: the stacked pool is for one device (no mesh)")
+    shape = ((spec.num_layers,) if stacked else ()) + (spec.num_pages, *spec.page_shape)
     if untouched and mesh is None and lazily_resident():
         from pallas_kernels.alloc.cpu import uninitialized as new
     else:
@@ -165,6 +198,8 @@ def allocate_kv_cache(spec: KVCacheSpec, mesh: Any = None, untouched: bool = Fal
             return QuantizedPages(new(shape, jnp.int8), new(shape[:-1], jnp.float32))
         return new(shape, jnp.dtype(spec.dtype))
 
+    if stacked:
+        return StackedKV(make(), make())
     if mesh is not None:
         from jaxinfer import sharding as shd
         out = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, shd.kv_pages_spec(x.ndim)),
@@ -236,17 +271,23 @@ def _write_quantized(pages: QuantizedPages, x: jax.Array, slot_mapping: jax.Arra
     return QuantizedPages(qf.reshape(N, P, KVH, D), sf.reshape(N, P, KVH))
 
 
-def write_kv_layer(k_pages: list, v_pages: list, k_new: jax.Array, v_new: jax.Array,
-                   slot_mapping: jax.Array, layer: jax.Array) -> tuple[list, list]:
+def write_kv_layer(k_pages: Any, v_pages: Any, k_new: jax.Array, v_new: jax.Array,
+                   slot_mapping: jax.Array, layer: jax.Array) -> tuple[Any, Any]:
     """``write_kv`` into layer ``layer``'s pages out of every layer's (the layer loop's form,
-    models/layer_loop.py): the C++ kernel writes in place, every layer's arrays aliased in ->
-    out. int8 pages get exactly ``_write_quantized``'s contents (the rows quantized here by
-    ``quantize_kv``, then copied)."""
+    models/layer_loop.py: lists over layers, or each side one ``layer_stack.Stacked``): the
+    C++ kernel writes in place, every array aliased in -> out. int8 pages get exactly
+    ``_write_quantized``'s contents (the rows quantized here by ``quantize_kv``, then copied)."""
     from pallas_kernels.attention import cpu as cpu_attention
+    from pallas_kernels.layer_stack import Stacked, first_layer
 
-    if not isinstance(k_pages[0], QuantizedPages):
+    if not isinstance(first_layer(k_pages), QuantizedPages):
         return cpu_attention.write_kv_layer(k_pages, v_pages, k_new, v_new, slot_mapping, layer)
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
+    if isinstance(k_pages, Stacked):
+        kq_p, vq_p, ks_p, vs_p = cpu_attention.write_rows_layer(
+            [Stacked(k_pages.value.q), Stacked(v_pages.value.q), Stacked(k_pages.value.scale),
+             Stacked(v_pages.value.scale)], [kq, vq, ks, vs], slot_mapping, layer)
+        return (Stacked(QuantizedPages(kq_p.value, ks_p.value)), Stacked(QuantizedPages(vq_p.value, vs_p.value)))
     kq_pages, vq_pages, ks_pages, vs_pages = cpu_attention.write_rows_layer(
         [[p.q for p in k_pages], [p.q for p in v_pages], [p.scale for p in k_pages], [p.scale for p in v_pages]],
         [kq, vq, ks, vs], slot_mapping, layer)

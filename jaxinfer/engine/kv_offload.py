@@ -2,7 +2,8 @@
 host-memory tier; the block manager decides what moves, engine/block_manager.py PageOp).
 
 The host pool mirrors the cache's pytree (every leaf: K and V of every layer, and int8
-pages' scales) with ``num_slots`` page rows instead of ``num_pages``, in host numpy.
+pages' scales) with ``num_slots`` page rows instead of ``num_pages``, in host numpy (a
+stacked pool, kv_cache.StackedKV, has its pages on axis 1: a host row is then [L, ...]).
 Copies run in whole-page batches of a fixed size from ``PAGE_BATCHES`` (padded with page
 0, the padding sink), through two executables per size compiled at start-up: a gather
 (device pages -> host) and a scatter (host rows -> device pages, the cache donated and
@@ -21,8 +22,10 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine.block_manager import PageOp
 
 # Pages per copy call: a small size for the odd page and a large one for a long prefix,
@@ -33,19 +36,34 @@ COPY_BATCH = 8       # a fork copies one page per new beam: a few per step
 
 def _copy(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
     """The cache with page ``dst[i]`` := page ``src[i]`` (i32[B]; padding copies 0 -> 0)."""
+    if kvc.page_axis(kv):
+        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="promise_in_bounds"), kv)
     return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="promise_in_bounds"), kv)
 
 
 def _gather(kv: Any, pages: jax.Array) -> list[jax.Array]:
-    """Every leaf's rows ``pages`` i32[B] -> list of [B, ...] (the host copy's input)."""
+    """Every leaf's rows ``pages`` i32[B] -> list of [B, ...] (the host copy's input; a
+    stacked pool's [B, L, ...])."""
+    if kvc.page_axis(kv):
+        return [jnp.moveaxis(x[:, pages], 1, 0) for x in jax.tree.leaves(kv)]
     return [x[pages] for x in jax.tree.leaves(kv)]
 
 
 def _scatter(kv: Any, pages: jax.Array, rows: list[jax.Array]) -> Any:
-    """The cache with rows [B, ...] written at ``pages`` i32[B] (duplicates only at page 0)."""
+    """The cache with rows [B, ...] (a stacked pool's [B, L, ...]) written at ``pages``
+    i32[B] (duplicates only at page 0)."""
     leaves, treedef = jax.tree.flatten(kv)
-    out = [x.at[pages].set(r.astype(x.dtype), mode="promise_in_bounds") for x, r in zip(leaves, rows)]
+    if kvc.page_axis(kv):
+        out = [x.at[:, pages].set(jnp.moveaxis(r, 0, 1).astype(x.dtype), mode="promise_in_bounds")
+               for x, r in zip(leaves, rows)]
+    else:
+        out = [x.at[pages].set(r.astype(x.dtype), mode="promise_in_bounds") for x, r in zip(leaves, rows)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _rows_shape(x: Any, axis: int) -> tuple[int, ...]:
+    """One page's row of leaf x: its shape without the page axis (layers first if stacked)."""
+    return tuple(d for i, d in enumerate(x.shape) if i != axis)
 
 
 class PageMover:
@@ -55,7 +73,8 @@ class PageMover:
         leaves = jax.tree.leaves(kv)
         self.num_slots = num_slots
         self.mesh = mesh
-        self.host = [np.zeros((num_slots, *x.shape[1:]), x.dtype) for x in leaves]
+        self._axis = kvc.page_axis(kv)
+        self.host = [np.zeros((num_slots, *_rows_shape(x, self._axis)), x.dtype) for x in leaves]
         self._shardings = [getattr(x, "sharding", None) for x in leaves]
         self._gathers: dict[int, Any] = {}
         self._scatters: dict[int, Any] = {}
@@ -155,7 +174,7 @@ class PageMover:
                                     sharding=shd.replicated(self.mesh) if replicated else x.sharding)
 
     def _abstract_rows(self, x: Any, b: int, sharding: Any) -> jax.ShapeDtypeStruct:
-        shape = (b, *x.shape[1:])
+        shape = (b, *_rows_shape(x, self._axis))
         if self.mesh is None:
             return jax.ShapeDtypeStruct(shape, x.dtype)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)

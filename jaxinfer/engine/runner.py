@@ -257,9 +257,11 @@ class ModelRunner:
                  attention: str = "auto", batch_invariant: bool = True, mesh=None,
                  publisher: Any = None, num_scheduler_steps: int = 1, lora: Any = None,
                  offload_layers: tuple[int, ...] = (), samples: bool = True,
-                 multi_decode_seqs: int | None = None, layer_loop: bool = False, kv_pool: bool = True):
+                 multi_decode_seqs: int | None = None, layer_loop: bool = False, kv_pool: bool = True,
+                 stack_kv: bool = True):
         """``kv_pool`` False: no KV pool of its own (a draft that steps on the target's
-        pages, engine/spec_draft.py, sets ``kv`` before each call)."""
+        pages, engine/spec_draft.py, sets ``kv`` before each call). ``stack_kv`` False: keep
+        the per-layer pool even where the layers loop (a draft steps on its first layers)."""
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
@@ -286,6 +288,7 @@ class ModelRunner:
         # (models/layer_loop.py)
         self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None
                                and not offload_layers)
+        stacks = None
         if self.layer_loop:
             body_opts["layer_loop"] = True
             # one device: every layer's weights stacked once (one loop operand per array,
@@ -296,6 +299,9 @@ class ModelRunner:
             if stacks:
                 model = nnx.merge(*nnx.split(model))
                 model.layer_stacks = nnx.Dict(stacks)
+        # The pool as one [L, ...] array per kind where the loop runs on one device (the
+        # same reason, engine/kv_cache.py StackedKV); the unrolled model takes per-layer pages.
+        self.stacked_kv = bool(stacks and stack_kv)
         if pipelined:         # layers cut into stages over the mesh's "stage" axis
             from jaxinfer.engine import pipeline
 
@@ -312,7 +318,7 @@ class ModelRunner:
         V = self.cfg.vocab_size
         self.pen = (self._zeros((num_rows, V), bool), self._zeros((num_rows, V), jnp.int32))
         if mesh is None:
-            self.kv = kvc.allocate_kv_cache(spec, untouched=True) if kv_pool else None
+            self.kv = kvc.allocate_kv_cache(spec, untouched=True, stacked=self.stacked_kv) if kv_pool else None
             state_specs = kv_specs = None
         else:
             self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
@@ -394,7 +400,7 @@ class ModelRunner:
             # Once, from the arrays as allocated: a background compile must not read
             # self.kv / self.pen while a step is donating them.
             # (no pool of its own: the layout of the pages it is lent, one device)
-            kv = kvc.abstract_kv_cache(self.spec) if self.kv is None else self.kv
+            kv = kvc.abstract_kv_cache(self.spec, self.stacked_kv) if self.kv is None else self.kv
             self._kv_pen_abstract = (jax.tree.map(self._abstract, kv), jax.tree.map(self._abstract, self.pen))
         kv, pen = self._kv_pen_abstract
         return [self._abstract(x) for x in self.state_leaves], kv, pen, arrays, t

@@ -185,7 +185,7 @@ class DraftProposer:
         self.runner = ModelRunner(model, self.spec, 1, attention, config.batch_invariant,
                                   num_scheduler_steps=max(2, config.num_speculative_tokens), samples=False,
                                   multi_decode_seqs=self.max_decode, layer_loop=config.layer_loop,
-                                  kv_pool=not share)
+                                  kv_pool=not share, stack_kv=not share)
         self.buckets: list[Bucket] = [
             b for b in ladders.all_buckets()
             if (b.num_prefill == 0 and b.num_decode <= self.max_decode)

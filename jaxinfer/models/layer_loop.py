@@ -29,6 +29,7 @@ int8 on CPU with the C++ kernels); the runner offers it only with the C++ paged 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -137,21 +138,26 @@ def plan(layers: Sequence[nnx.Module], cfg: Any, can_index: Any,
 
 
 def run(layers: Sequence[nnx.Module], stacks: dict[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array,
-        attn_loop: Any, kv_cache: Sequence[Any], mm: Any, tp_axis: str | None) -> tuple[jax.Array, list[Any]]:
-    """x [T, D] through every layer in a fori_loop -> (x, the caches as (k, v) per layer).
-    ``attn_loop(index, q, k, v, (k_pages list, v_pages list))``: the runner's attention for a
-    traced layer index."""
+        attn_loop: Any, kv_cache: Any, mm: Any, tp_axis: str | None) -> tuple[jax.Array, Any]:
+    """x [T, D] through every layer in a fori_loop -> (x, the caches in the form they came:
+    (k, v) per layer, or the engine's stacked pool, engine/kv_cache.py ``StackedKV``).
+    ``attn_loop(index, q, k, v, (every layer's K, every layer's V))``: the runner's attention
+    for a traced layer index; each side a list over layers or a ``Stacked``."""
     call = type(layers[0]).__call__
-    ks, vs = [c[0] for c in kv_cache], [c[1] for c in kv_cache]
+    stacked = not isinstance(kv_cache, (list, tuple))      # StackedKV: fields k, v [L, ...]
+    if stacked:
+        ks, vs = Stacked(kv_cache.k), Stacked(kv_cache.v)
+    else:
+        ks, vs = [c[0] for c in kv_cache], [c[1] for c in kv_cache]
 
     def body(i, carry):
         h, ks, vs = carry
         view = LayerView(layers, i, stacks)
-        h, (ks, vs) = call(view, h, cos, sin, attn_loop, (list(ks), list(vs)), mm, tp_axis)
-        return h, list(ks), list(vs)
+        h, (ks, vs) = call(view, h, cos, sin, attn_loop, (ks, vs), mm, tp_axis)
+        return (h, ks, vs) if stacked else (h, list(ks), list(vs))
 
     x, ks, vs = jax.lax.fori_loop(0, len(layers), body, (x, ks, vs))
-    return x, list(zip(ks, vs))
+    return x, (dataclasses.replace(kv_cache, k=ks.value, v=vs.value) if stacked else list(zip(ks, vs)))
 
 
 class LayerStack(nnx.Variable):

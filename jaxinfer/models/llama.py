@@ -208,6 +208,8 @@ class LlamaForCausalLM(nnx.Module):
             cos, sin = self.rope(positions)[0]
             x, new_cache = layer_loop.run(list(self.layers), stacks, x, cos, sin, attn_loop, kv_cache, mm, tp_axis)
         else:
+            if not isinstance(kv_cache, (list, tuple)):
+                raise ValueError("a stacked KV pool needs the layer loop (engine/kv_cache.py StackedKV)")
             new_cache = []
             for layer, (cos, sin), c in zip(self.layers, self.rope(positions), kv_cache):
                 x, c = layer(x, cos, sin, attn, c, mm, tp_axis)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_build
+from pallas_kernels.layer_stack import Stacked, first_layer, layer_weights, members
 
 TARGET = "jaxinfer_paged_attention"
 TARGET_LAYER = "jaxinfer_paged_attention_layer"
@@ -72,13 +73,13 @@ def _is_int8(pages: Any) -> bool:
             and pages.scale.shape == pages.q.shape[:3])
 
 
-def _page_operands(k_pages: Sequence[Any], v_pages: Sequence[Any]) -> list[jax.Array]:
+def _page_operands(k_pages: Sequence[Any] | Stacked, v_pages: Sequence[Any] | Stacked) -> list[jax.Array]:
     """Every layer's pages as the kernels' operands: float32 K_0.., V_0..; int8 Kq_0..,
-    Vq_0.., then their scales Ks_0.., Vs_0.. ."""
-    if _is_int8(k_pages[0]):
-        return [p.q for p in k_pages] + [p.q for p in v_pages] + [p.scale for p in k_pages] + \
-            [p.scale for p in v_pages]
-    return list(k_pages) + list(v_pages)
+    Vq_0.., then their scales Ks_0.., Vs_0.. (each kind one [L, ...] operand when stacked)."""
+    ks, vs = members(k_pages), members(v_pages)
+    if _is_int8(first_layer(k_pages)):
+        return [p.q for p in ks] + [p.q for p in vs] + [p.scale for p in ks] + [p.scale for p in vs]
+    return ks + vs
 
 
 @functools.partial(jax.jit, static_argnames=("num_decode", "prefill_chunk", "sm_scale",
@@ -102,24 +103,36 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 # The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages are operands
-# of their own and a traced layer index picks one layer's pair by pointer, so inside
-# lax.fori_loop no page array is sliced (a slice of a stacked cache is a copy) or copied.
+# of their own, or each kind one stacked [L, ...] operand (``layer_stack.Stacked``: the
+# engine's pool on one device, engine/kv_cache.py StackedKV), and a traced layer index picks
+# one layer's pair by pointer, so inside lax.fori_loop no page array is sliced (a slice of
+# a stacked cache in XLA is a copy) or copied.
 
-def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[jax.Array], v_pages: Sequence[jax.Array],
+def _same_kind(k_pages: Sequence[Any] | Stacked, v_pages: Sequence[Any] | Stacked) -> bool:
+    """K and V alike: lists of one length, or both stacked; every layer's pages one shape and kind."""
+    if isinstance(k_pages, Stacked) != isinstance(v_pages, Stacked) or len(members(k_pages)) != len(members(v_pages)):
+        return False
+    if isinstance(k_pages, Stacked) and k_pages.value.shape[0] != v_pages.value.shape[0]:
+        return False
+    each = layer_weights(k_pages) + layer_weights(v_pages)
+    return bool(each) and all(p.shape == each[0].shape and _is_int8(p) == _is_int8(each[0]) for p in each)
+
+
+def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[Any] | Stacked, v_pages: Sequence[Any] | Stacked,
                                  layer: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
                                  page_table: jax.Array, *, num_decode: int, prefill_chunk: int,
                                  sm_scale: float, sliding_window: int | None = None,
                                  soft_cap: float | None = None,
                                  alibi_slopes: jax.Array | None = None) -> jax.Array:
     """``ragged_paged_attention`` on layer ``layer``'s pages out of every layer's
-    (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D], or int8 QuantizedPages): the
-    same bits."""
-    k_pages, v_pages = list(k_pages), list(v_pages)
-    if not k_pages or len(k_pages) != len(v_pages) or any(
-            p.shape != k_pages[0].shape or _is_int8(p) != _is_int8(k_pages[0]) for p in k_pages + v_pages):
+    (``k_pages[i]``, ``v_pages[i]`` f32[N, page_size, KVH, D], or int8 QuantizedPages; or
+    each a ``Stacked`` of such with a leading L): the same bits."""
+    if not isinstance(k_pages, Stacked):
+        k_pages, v_pages = list(k_pages), list(v_pages)
+    if not _same_kind(k_pages, v_pages):
         raise ValueError("paged attention (layer): one K and V page array of one shape and kind per layer")
-    slopes, attrs = _checked(q, k_pages[0], v_pages[0], kv_lens, q_lens, page_table, num_decode, prefill_chunk,
-                             sm_scale, sliding_window, soft_cap, alibi_slopes)
+    slopes, attrs = _checked(q, first_layer(k_pages), first_layer(v_pages), kv_lens, q_lens, page_table,
+                             num_decode, prefill_chunk, sm_scale, sliding_window, soft_cap, alibi_slopes)
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), idx, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32),
@@ -127,21 +140,25 @@ def ragged_paged_attention_layer(q: jax.Array, k_pages: Sequence[jax.Array], v_p
     return out.astype(q.dtype)
 
 
-def write_rows_layer(pages: Sequence[Sequence[jax.Array]], rows: Sequence[jax.Array], slot_mapping: jax.Array,
-                     layer: jax.Array) -> list[list[jax.Array]]:
-    """Rows into layer ``layer``'s page arrays, in place (every layer's arrays are aliased
-    in -> out; the kernel fails if XLA copied them). ``pages[g]``: group g's array of every
-    layer ([N, page_size, ...]), ``rows[g]`` [T, ...] its new rows (same dtype; slot t of
-    slot_mapping i32[T] gets row t). Groups: float32 K, V; or int8 Kq, Vq and f32 Ks, Vs.
-    Returns the groups' new arrays."""
-    groups, rows = [list(g) for g in pages], list(rows)
-    L = len(groups[0]) if groups else 0
+def write_rows_layer(pages: Sequence[Sequence[jax.Array] | Stacked], rows: Sequence[jax.Array],
+                     slot_mapping: jax.Array, layer: jax.Array) -> list[list[jax.Array] | Stacked]:
+    """Rows into layer ``layer``'s page arrays, in place (every array is aliased in -> out;
+    the kernel fails if XLA copied them). ``pages[g]``: group g's array of every layer
+    ([N, page_size, ...]), or all groups each one ``Stacked`` [L, N, page_size, ...];
+    ``rows[g]`` [T, ...] its new rows (same dtype; slot t of slot_mapping i32[T] gets row t).
+    Groups: float32 K, V; or int8 Kq, Vq and f32 Ks, Vs. Returns the groups' new arrays, in
+    the form they came."""
+    stacked = bool(pages) and all(isinstance(g, Stacked) for g in pages)
+    groups, rows = [members(g) if stacked else list(g) for g in pages], list(rows)
+    each = [layer_weights(g) for g in pages] if stacked else groups
+    L = pages[0].value.shape[0] if stacked else len(groups[0]) if groups else 0
     kinds = ([jnp.float32] * 2, [jnp.int8] * 2 + [jnp.float32] * 2)
     if not L or len(rows) != len(groups) or [r.dtype for r in rows] not in kinds or any(
-            len(g) != L or any(p.shape != g[0].shape or p.dtype != r.dtype for p in g) for g, r in zip(groups, rows)):
+            len(g) != len(groups[0]) or any(p.shape != g[0].shape or p.dtype != r.dtype for p in g)
+            for g, r in zip(each, rows)) or (stacked and any(g.value.shape[0] != L for g in pages)):
         raise ValueError("write_kv_layer: float32 K, V (or int8 Kq, Vq and f32 Ks, Vs) page arrays of one shape "
                          "per layer, and their new rows in the same dtypes")
-    for g, r in zip(groups, rows):
+    for g, r in zip(each, rows):
         if r.shape[1:] != g[0].shape[2:] or r.shape[:1] != slot_mapping.shape:
             raise ValueError(f"write_kv_layer: new rows must be [T, *{g[0].shape[2:]}] with slot_mapping i32[T], "
                              f"got {r.shape} and {slot_mapping.shape}")
@@ -151,15 +168,18 @@ def write_rows_layer(pages: Sequence[Sequence[jax.Array]], rows: Sequence[jax.Ar
     outs = jax.ffi.ffi_call(TARGET_WRITE_LAYER, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat],
                             input_output_aliases={n_in + j: j for j in range(len(flat))})(
         idx, slot_mapping.astype(jnp.int32), *rows, *flat)
+    if stacked:
+        return [Stacked(o) for o in outs]
     return [list(outs[i * L:(i + 1) * L]) for i in range(len(groups))]
 
 
-def write_kv_layer(k_pages: Sequence[jax.Array], v_pages: Sequence[jax.Array], k_new: jax.Array,
-                   v_new: jax.Array, slot_mapping: jax.Array,
-                   layer: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+def write_kv_layer(k_pages: Sequence[jax.Array] | Stacked, v_pages: Sequence[jax.Array] | Stacked,
+                   k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array,
+                   layer: jax.Array) -> tuple[Any, Any]:
     """kv_cache.write_kv into layer ``layer``'s float32 pages, in place: the same page
-    contents. k_new, v_new [T, KVH, D]; slot_mapping i32[T]. Returns (k_pages, v_pages)
-    lists. (int8 pages: kv_cache.write_kv_layer quantizes, then ``write_rows_layer``.)"""
+    contents. k_new, v_new [T, KVH, D]; slot_mapping i32[T]. Returns (k_pages, v_pages) in
+    the form they came (lists or Stacked). (int8 pages: kv_cache.write_kv_layer quantizes,
+    then ``write_rows_layer``.)"""
     ks, vs = write_rows_layer([k_pages, v_pages], [k_new.astype(jnp.float32), v_new.astype(jnp.float32)],
                               slot_mapping, layer)
     return ks, vs

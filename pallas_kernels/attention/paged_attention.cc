@@ -374,26 +374,29 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Pa
   return ffi::Error::Success();
 }
 
-// The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages come as
-// operands K_0 .. K_{L-1}, V_0 .. V_{L-1} and a traced layer index picks one pair by
-// pointer, so inside lax.fori_loop no page array is sliced or copied.
+// The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages of a kind
+// (K, V; int8: Kq, Vq, Ks, Vs) come either as L operands K_0 .. K_{L-1} or as one stacked
+// [L, N, ...] operand (engine/kv_cache.py StackedKV: one operand instead of L, so XLA's
+// loop carries a handful of buffers), and a traced layer index picks layer l by pointer
+// (ffi_lite.h RemainingArgs::layer), so inside lax.fori_loop no page array is sliced or copied.
 ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> alibi_slopes,
                               ffi::RemainingArgs pages, int64_t num_decode, int64_t prefill_chunk,
                               float sm_scale, int64_t sliding_window, float soft_cap,
                               ffi::ResultBuffer<ffi::F32> out) {
-  // float32: K_0 .. K_{L-1}, V_0 .. V_{L-1}; int8: Kq_*, Vq_*, then the scales Ks_*, Vs_*
   const auto first = pages.get<ffi::AnyBuffer>(0);
-  const int64_t per_layer = first && first->element_type() == ffi::S8 ? 4 : 2;
-  const int64_t L = static_cast<int64_t>(pages.size()) / per_layer;
-  if (layer.element_count() != 1 || pages.size() % per_layer || L == 0)
+  const size_t kinds = first && first->element_type() == ffi::S8 ? 4 : 2;
+  if (layer.element_count() != 1 || pages.size() == 0 || pages.size() % kinds)
     return ffi::Error::InvalidArgument("paged_attention_layer: expected one i32 layer and K, V pages per layer "
                                        "(int8: and their scales)");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged_attention_layer: layer index out of range");
-  const auto at = [&](int64_t i) { return *pages.get<ffi::AnyBuffer>(i * L + l); };
-  const auto p = per_layer == 2 ? pages_of(at(0), at(1)) : pages_of(at(0), at(1), at(2), at(3));
+  XLA_FFI_Buffer views[4];
+  std::optional<ffi::AnyBuffer> at[4];
+  for (size_t i = 0; i < kinds; ++i)
+    if (!(at[i] = pages.layer<ffi::AnyBuffer>(i, kinds, l, views[i])))
+      return ffi::Error::InvalidArgument("paged_attention_layer: layer index out of range");
+  const auto p = kinds == 2 ? pages_of(*at[0], *at[1]) : pages_of(*at[0], *at[1], at[2], at[3]);
   if (!p) return ffi::Error::InvalidArgument("paged_attention_layer: pages must be float32, or int8 with f32 scales");
   return AttentionImpl(pool, q, *p, kv_lens, q_lens, page_table, alibi_slopes, num_decode,
                        prefill_chunk, sm_scale, sliding_window, soft_cap, out);
@@ -401,31 +404,30 @@ ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 // This step's K/V rows into layer ``layer``'s pages, in place: operands layer i32[1],
 // slots i32[T] (page * page_size + offset), then the new rows and every layer's pages:
-// float32: k_new, v_new [T, KVH, D], then K_0 .. K_{L-1}, V_0 .. V_{L-1} [N, page_size,
-// KVH, D]; int8 (engine/kv_cache.py QuantizedPages, quantized by the caller): kq_new,
-// vq_new s8[T, KVH, D], ks_new, vs_new f32[T, KVH], then Kq_*, Vq_*, Ks_*, Vs_* (scales
-// [N, page_size, KVH]). Results: the same page arrays, each aliased to its operand (the
-// caller's input_output_aliases), so only the chosen layer's rows change.
+// float32: k_new, v_new [T, KVH, D], then K and V pages [N, page_size, KVH, D] (L operands
+// each, or one stacked [L, N, ...]); int8 (engine/kv_cache.py QuantizedPages, quantized by
+// the caller): kq_new, vq_new s8[T, KVH, D], ks_new, vs_new f32[T, KVH], then Kq, Vq, Ks, Vs
+// (scales [N, page_size, KVH]). Results: the same page arrays, each aliased to its operand
+// (the caller's input_output_aliases), so only the chosen layer's rows change.
 ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                             ffi::RemainingArgs rest, ffi::RemainingRets outs) {
   const auto first = rest.get<ffi::AnyBuffer>(0);
-  const int64_t per_layer = first && first->element_type() == ffi::S8 ? 4 : 2;   // new rows = page arrays per layer
-  const int64_t num_pages = static_cast<int64_t>(rest.size()) - per_layer;
-  const int64_t L = num_pages / per_layer;
-  if (layer.element_count() != 1 || num_pages <= 0 || num_pages % per_layer ||
-      outs.size() != static_cast<size_t>(num_pages))
+  const size_t kinds = first && first->element_type() == ffi::S8 ? 4 : 2;   // new rows = page kinds
+  const auto pages = rest.skip(kinds);
+  if (layer.element_count() != 1 || rest.size() <= kinds || pages.size() % kinds || outs.size() != pages.size())
     return ffi::Error::InvalidArgument("kv_write_layer: expected one i32 layer, the new rows and K, V pages per "
                                        "layer (int8: and their scales), aliased");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("kv_write_layer: layer index out of range");
   const int64_t T = slots.element_count();
-  for (int64_t side = 0; side < per_layer; ++side) {
+  for (size_t side = 0; side < kinds; ++side) {
+    XLA_FFI_Buffer in_view, res_view;
     const auto rows = rest.get<ffi::AnyBuffer>(side);
-    const auto in = rest.get<ffi::AnyBuffer>(per_layer + side * L + l);
-    const auto res = outs.get<ffi::AnyBuffer>(side * L + l);
-    if (!rows || !in || !res) return ffi::Error::InvalidArgument("kv_write_layer: operands must be buffers");
+    const auto in = pages.layer<ffi::AnyBuffer>(side, kinds, l, in_view);
+    const auto res = outs.layer<ffi::AnyBuffer>(side, kinds, l, res_view);
+    if (!in || !res) return ffi::Error::InvalidArgument("kv_write_layer: layer index out of range");
+    if (!rows) return ffi::Error::InvalidArgument("kv_write_layer: operands must be buffers");
     const auto dtype = in->element_type();
-    const bool want_s8 = per_layer == 4 && side < 2;
+    const bool want_s8 = kinds == 4 && side < 2;
     if (dtype != (want_s8 ? ffi::S8 : ffi::F32) || rows->element_type() != dtype || res->element_type() != dtype)
       return ffi::Error::InvalidArgument("kv_write_layer: pages must be float32, or int8 with f32 scales, and "
                                          "the new rows of the pages' dtype");
@@ -433,7 +435,7 @@ ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> s
     if (dst != in->untyped_data())
       return ffi::Error::Internal("kv_write_layer: the pages are not aliased to the results (XLA copied them)");
     const auto pd = in->dimensions();
-    if (pd.size() != (want_s8 || per_layer == 2 ? 4u : 3u))
+    if (pd.size() != (want_s8 || kinds == 2 ? 4u : 3u))
       return ffi::Error::InvalidArgument("kv_write_layer: pages must be [N, page_size, KVH, D] (scales [N, page_size, KVH])");
     const int64_t num_slots = pd[0] * pd[1];
     const int64_t row = static_cast<int64_t>(in->element_count()) / num_slots;

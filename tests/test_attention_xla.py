@@ -445,9 +445,11 @@ def test_alibi_runs_the_cpp_kernel_on_cpu_and_jnp_on_accelerators():
 
 def _loop_equals_unrolled(write_layer, ks, vs, q, kv_lens, q_lens, pt, kw, page_shape: str, seed: int):
     """A lax.fori_loop of ``write_layer`` + the layer-indexed attention over every layer's
-    pages (ks, vs) equals the unrolled kv_cache.write_kv + attention calls bitwise, and the
-    compiled loop copies no page array of ``page_shape`` (HLO text)."""
+    pages (ks, vs; then the same pages stacked) equals the unrolled kv_cache.write_kv +
+    attention calls bitwise, and the compiled loop copies no page array of ``page_shape``
+    (HLO text) or their stack."""
     from pallas_kernels.attention import cpu as cpu_attention
+    from pallas_kernels.layer_stack import Stacked
     from jaxinfer.engine.kv_cache import write_kv
 
     L, T = len(ks), q.shape[0]
@@ -477,6 +479,18 @@ def _loop_equals_unrolled(write_layer, ks, vs, q, kv_lens, q_lens, pt, kw, page_
     got = compiled(jax.tree.map(jnp.array, ks), jax.tree.map(jnp.array, vs))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # The stacked form (the engine's pool, kv_cache.StackedKV): each kind one [L, ...]
+    # operand, the same bits, no copy of the stack either; a layer past L is refused.
+    stack = lambda xs: Stacked(jax.tree.map(lambda *a: jnp.stack(a), *xs))   # noqa: E731
+    compiled = jax.jit(looped, donate_argnums=(0, 1)).lower(stack(ks), stack(vs)).compile()
+    stacked_shape = page_shape.replace("[", f"[{L},", 1)
+    assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and stacked_shape in ln]
+    got_k, got_v, got_o = compiled(stack(ks), stack(vs))
+    for g, w in zip(jax.tree.leaves((got_k, got_v, got_o)), jax.tree.leaves((stack(want[0]), stack(want[1]), want[2]))):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(Exception, match="out of range"):
+        np.asarray(cpu_attention.ragged_paged_attention_layer(q, stack(ks), stack(vs), jnp.int32(L), kv_lens,
+                                                              q_lens, pt, **kw))
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,

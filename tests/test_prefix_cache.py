@@ -316,6 +316,8 @@ def test_churn_token_exact_with_poisoned_freed_pages(engines):
     want, _ = run_rounds(engines["off"], prompts, sp)
     for name in ("on", "host"):
         eng = engines[name]
+        # the layers loop: the page moves below run on the stacked pool (kv_cache.StackedKV)
+        assert type(eng.runner.kv).__name__ == "StackedKV"
         before = eng.stats()
         got, compiles = run_rounds(eng, prompts, sp)
         assert got == want, f"cache {name}: tokens differ from the cache-off engine"

@@ -317,11 +317,30 @@ def coded_table(table: Any) -> Any:
     if not (isinstance(table, jax.Array) and table.ndim == 2 and f32_kernel_applies(table)
             and len(table.devices()) == 1):
         return table
-    from pallas_kernels.f32_matmul.cpu import PanelledF32
+    import numpy as np
 
-    panelled = _panel(table.T)          # stays a plain array where V is not a multiple of 16
-    coded = encode(panelled) if isinstance(panelled, PanelledF32) else None
-    return table if coded is None else TiedEmbedding(coded)
+    from pallas_kernels.f32_matmul.cpu import PANEL, CodedF32, PanelledF32
+
+    V, D = table.shape
+    if V % PANEL:                       # no panel layout: the table stays as it is
+        return table
+    # Coded a slab of rows at a time: each panel's codes depend on that panel alone, so the
+    # result is the whole table's, and the transposed float copy is one slab (9 MiB), not
+    # the table (113 MB for SmolLM2, the largest transient of a cold int8 load otherwise).
+    rows = np.asarray(table)
+    step = PANEL * 256
+    parts = []
+    for v0 in range(0, V, step):
+        slab = rows[v0:v0 + step]
+        panels = np.ascontiguousarray(slab.reshape(-1, PANEL, D).transpose(0, 2, 1))   # [n/16, D, 16]
+        coded = encode(PanelledF32(jnp.asarray(panels)))
+        if coded is None:
+            return table
+        parts.append(coded)
+    if len(parts) == 1:
+        return TiedEmbedding(parts[0])
+    return TiedEmbedding(CodedF32(*(jnp.concatenate([getattr(c, f) for c in parts])
+                                    for f in ("codes", "scale", "offset"))))
 
 
 def is_quantized(model: nnx.Module) -> bool:

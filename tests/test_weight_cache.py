@@ -248,3 +248,29 @@ def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
     ids = list(range(2, 40))
     np.testing.assert_array_equal(ReferenceGenerator(coded.model).logits(ids),
                                   ReferenceGenerator(floats.model).logits(ids))
+
+
+def test_coded_table_in_slabs_equals_the_whole_table_coded():
+    """quantization.coded_table codes the table a slab of 4,096 rows at a time (a cold load's
+    transient is one slab, not the transposed table): the same codes, scales and offsets as
+    coding the whole table at once, and rows bitwise the table's; a table without exact
+    codes stays as it is."""
+    from jaxinfer.quantization import TiedEmbedding, coded_table
+    from pallas_kernels.f32_matmul.codes import encode
+    from pallas_kernels.f32_matmul.cpu import available, panel
+
+    assert available()
+    rng = np.random.default_rng(0)
+    V, D = 2 * 4096 + 32, 64                          # three slabs, the last a short one
+    codes = rng.integers(-127, 128, size=(V, D)).astype(np.float32)
+    codes[:, ::32] = 127                              # each block's largest code, as Q8_0's scale gives
+    scale = rng.uniform(1e-3, 1e-2, size=(V, D // 32, 1)).astype(np.float16).astype(np.float32)   # Q8_0's d
+    table = jnp.asarray((codes.reshape(V, D // 32, 32) * scale).reshape(V, D))   # Q8_0-like blocks
+    got = coded_table(table)
+    assert isinstance(got, TiedEmbedding)
+    whole = encode(panel(table.T))
+    for f in ("codes", "scale", "offset"):
+        np.testing.assert_array_equal(np.asarray(getattr(got.head, f)), np.asarray(getattr(whole, f)), err_msg=f)
+    np.testing.assert_array_equal(np.asarray(got.rows(np.arange(V, dtype=np.int32))), np.asarray(table))
+    noisy = table.at[5, 3].add(1e-7)
+    assert coded_table(noisy) is noisy

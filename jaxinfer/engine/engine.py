@@ -22,7 +22,7 @@ from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.memory import release_host_memory
+from jaxinfer.engine.memory import map_large_blocks, release_host_memory
 from jaxinfer.engine import search
 from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
@@ -60,6 +60,7 @@ class Engine:
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
+        map_large_blocks()          # freed large buffers go back to the system (memory.py)
         R.use_compilation_cache(config.compilation_cache_dir)
         if config.tensor_parallel_size == 0:
             config = self.config = R.resolve_auto_tp(config, loaded.config if loaded else None, model)
@@ -68,6 +69,7 @@ class Engine:
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = R.replica_meshes(config)
         R.start_kernel_builds()
+        sampler_vocab, samplers = self._samplers_first(model, loaded, meshes)
         float_target = None
         if config.speculative_method == "self":      # its draft is made from the float weights
             if loaded is None:
@@ -82,8 +84,7 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         from jaxinfer.loading.default import model_name
         self.model_name = model_name(model, self.loaded.source)
-        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
-                                 mc.max_position_embeddings)
+        self.max_model_len = self._max_model_len(mc)
         from jaxinfer.engine import spec_draft
         from jaxinfer.models.base import fit_context
 
@@ -119,7 +120,8 @@ class Engine:
         shares = draft is not None and draft_pool(self.kv_spec) is None
         self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
                                       m, mesh, attention, self.publisher, self.model_config, self.loras,
-                                      stack_kv=not shares)
+                                      stack_kv=not shares,
+                                      samplers=samplers if m.cfg.vocab_size == sampler_vocab else None)
                          for m, mesh in zip(models, meshes or [None])]
         steps_on = self.replicas[0].runner if shares else None
         self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
@@ -190,9 +192,34 @@ class Engine:
             self.publisher = None
 
     # ---- start-up -----------------------------------------------------------------
-    def _ladders(self) -> BucketLadders:
+    def _max_model_len(self, mc: Any) -> int:
+        return min(self.config.max_model_len or min(mc.max_position_embeddings, 4096), mc.max_position_embeddings)
+
+    def _samplers_first(self, model: str | None, loaded: Any, meshes: list) -> tuple[int | None, dict[int, Any]]:
+        """The sampler executables, compiled before the weights load (runner.compile_sampler:
+        the largest transient of a cold start, with nothing else resident yet): (the
+        vocabulary size they were compiled for, width -> executable); the runner takes them
+        if its model's vocabulary is the same. None with a mesh, several processes or lazy
+        warm-up (each compiles as before)."""
+        from jaxinfer.engine.warmup import default_mode
+
         c = self.config
-        auto = default_ladders(c.max_num_seqs, self.max_model_len, c.page_size, c.max_num_batched_tokens)
+        if meshes or R.num_processes() > 1 or (c.warmup or default_mode()) == "lazy":
+            return None, {}
+        from jaxinfer.engine.runner import compile_sampler
+        from jaxinfer.loading import read_config
+
+        mc = loaded.config if loaded is not None else read_config(model)
+        widths = sorted({b.sample_rows for b in self._ladders(self._max_model_len(mc)).all_buckets()})
+        options = R.compiler_options()
+        samplers = {w: compile_sampler(mc.vocab_size, c.max_num_seqs + 1, w, options) for w in widths}
+        release_host_memory()           # the compiler's freed scratch (~300 MiB) before the load
+        return mc.vocab_size, samplers
+
+    def _ladders(self, max_model_len: int | None = None) -> BucketLadders:
+        c = self.config
+        auto = default_ladders(c.max_num_seqs, max_model_len or self.max_model_len, c.page_size,
+                               c.max_num_batched_tokens)
         if c.speculative_method is not None:
             auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
         if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches

@@ -9,12 +9,11 @@ copies of a loaded model then stay in the process's RSS after the model has move
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import gc
 import os
-from typing import Any, Iterator
+from typing import Any
 
 
 def available_ram() -> int | None:
@@ -70,23 +69,21 @@ def trim_heap() -> None:
 _M_MMAP_THRESHOLD = -3        # glibc's mallopt parameter
 
 
-@contextlib.contextmanager
-def large_blocks_mapped(threshold: int = 1 << 20) -> Iterator[None]:
-    """Within: every allocation of ``threshold`` bytes or more gets a mapping of its own,
-    handed back to the system when freed (glibc; a no-op elsewhere). Why: glibc raises its
-    mmap threshold to the size of each mapped block freed (up to 32 MiB), so while a model
-    loads, the freed float copies become heap holes that the next, larger arrays do not
-    fit (measured on the default model, load and repack: peak 1,290 -> 1,069 MiB). After:
-    a fixed 32 MiB threshold, the largest the dynamic one reaches."""
+def map_large_blocks(threshold: int = 1 << 20) -> None:
+    """From now on every allocation of ``threshold`` bytes or more gets a mapping of its
+    own, handed back to the system when freed (glibc; a no-op elsewhere, or when the user
+    set ``MALLOC_MMAP_THRESHOLD_``, which glibc honours instead). For the life of the
+    process: it loads a model and serves it. Why: glibc raises its mmap threshold to the
+    size of each mapped block freed (up to 32 MiB), and from then on keeps such blocks in
+    its heaps when they are freed. While a model loads, the freed float copies became heap
+    holes that the next, larger arrays did not fit (default model, load and repack: peak
+    1,290 -> 1,069 MiB); while it serves, each step's and sampler's scratch buffers (up to
+    ~14 MiB) stayed resident in the step threads' heaps (int8 server, warm start, the
+    32-request workload: peak 698-713 -> 655 MiB, step times unchanged within noise;
+    RESULTS.md "The KV pool stacked")."""
     mallopt = _glibc("mallopt")
-    if mallopt is None:
-        yield
-        return
-    mallopt(_M_MMAP_THRESHOLD, threshold)
-    try:
-        yield
-    finally:
-        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    if mallopt is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def rss_bytes() -> tuple[int, int] | None:

@@ -59,10 +59,11 @@ class Replica:
 
 def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, num_host_pages: int,
                  model: Any, mesh: Any, attention: str, publisher: Any, model_config: Any = None,
-                 loras: Any = None, stack_kv: bool = True) -> Replica:
+                 loras: Any = None, stack_kv: bool = True, samplers: dict | None = None) -> Replica:
     """``loras``: the engine's lora.LoraRegistry (multi-LoRA on) or None; ``model_config``
     the loaded model's ModelConfig (before any KV-head repeat), which adapters are read for;
-    ``stack_kv`` False: the per-layer KV pool (a 'self' draft steps on its first layers)."""
+    ``stack_kv`` False: the per-layer KV pool (a 'self' draft steps on its first layers);
+    ``samplers``: sampler executables compiled already, by width (Engine._samplers_first)."""
     from jaxinfer.engine.runner import ModelRunner
 
     c = config
@@ -81,6 +82,7 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
     runner = ModelRunner(model, kv_spec, c.max_num_seqs + 1, attention, c.batch_invariant,
                          mesh=mesh, publisher=publisher, num_scheduler_steps=c.num_scheduler_steps, lora=lora,
                          offload_layers=offload_layers, layer_loop=c.layer_loop, stack_kv=stack_kv)
+    runner.samplers.update(samplers or {})
     # beam search forks copy pages on the device: that copy is always there
     runner.enable_page_moves(bm.host.num_slots, host=bool(bm.host.num_slots or c.debug_poison_freed_pages))
     return Replica(sched, bm, runner, list(range(c.max_num_seqs, 0, -1)), c.debug_poison_freed_pages)

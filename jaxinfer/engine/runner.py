@@ -237,6 +237,27 @@ def sample_fn(logits, pen, rows, t: S.SamplingTensors, mask: S.TokenMask):
     return S.pack(out)
 
 
+def compile_sampler(vocab_size: int, num_rows: int, width: int, options: dict | None,
+                    device: Any = None) -> Any:
+    """``sample_fn``'s executable for ``width`` rows over a vocabulary of ``vocab_size``,
+    with ``num_rows`` penalty-state rows, on ``device`` (None: the default one). From shapes
+    alone: it holds no weights, so an engine compiles it before it loads them (why: its
+    compile is the largest transient of a cold start, ~+290 MiB for the default model's,
+    and with no weights resident yet that peak stays under the later ones; RESULTS.md "The
+    KV pool stacked")."""
+    from jaxinfer.engine.guided import empty_mask
+
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)   # noqa: E731
+    like = lambda tree: jax.tree.map(lambda x: spec(np.shape(x), x.dtype), tree)         # noqa: E731
+    pen = (spec((num_rows, vocab_size), np.bool_), spec((num_rows, vocab_size), np.int32))
+    t = like(S.sampling_tensors_from_params([], [], [], width))
+    m = empty_mask(width, vocab_size)
+    mask = like(S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active))
+    return _jit(sample_fn).lower(spec((width, vocab_size), np.float32), pen, spec((width,), np.int32), t,
+                                 mask).compile(options)
+
+
 def _sample_rows(batch: StepBatch) -> np.ndarray:
     """i32[S']: each sampler row's penalty-state row (padding rows -> row 0, the sink)."""
     rows = np.zeros(batch.bucket.sample_rows, np.int32)
@@ -441,14 +462,8 @@ class ModelRunner:
                 self.logits_bufs[b.sample_rows] = self._zeros((b.sample_rows, self.cfg.vocab_size), jnp.float32)
             self.executables[b] = self.lower_forward(b).compile(self.compiler_options)
         if self.samples and b.sample_rows not in self.samplers:
-            _, _, pen, _, t = self._abstract_args(b)
-            one = None if self.mesh is None else jax.sharding.SingleDeviceSharding(self.sample_device)
-            pen, t = jax.tree.map(lambda x: self._abstract(x, one), (pen, t))
-            logits = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32), one)
-            rows = self._abstract(np.empty((b.sample_rows,), np.int32), one)
-            mask = jax.tree.map(lambda x: self._abstract(x, one), self.empty_mask(b.sample_rows))
-            self.samplers[b.sample_rows] = _jit(sample_fn).lower(logits, pen, rows, t, mask).compile(
-                self.sampler_compiler_options)
+            self.samplers[b.sample_rows] = compile_sampler(self.cfg.vocab_size, self.num_rows, b.sample_rows,
+                                                           self.sampler_compiler_options, self.sample_device)
         if self._has_multi(b) and b not in self.multi_executables:
             state, kv, pen, arrays, t = self._abstract_args(b)
             scalar = jax.ShapeDtypeStruct((), np.int32)

@@ -25,7 +25,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels
     (``codes``: EngineConfig.weight_codes); through the weight cache ``cache_dir``
     (EngineConfig.weight_cache_dir) unless it is None / ""."""
-    from jaxinfer.engine.memory import large_blocks_mapped, release_host_memory
+    from jaxinfer.engine.memory import map_large_blocks, release_host_memory
     from jaxinfer.quantization import prepare_for_engine, weight_finisher
 
     t0 = time.perf_counter()
@@ -39,11 +39,11 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
             hit.load_seconds = time.perf_counter() - t0
             log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
             return hit
-    with large_blocks_mapped():
-        # quantized as each weight is read: the float32 model is never whole in memory
-        finish = weight_finisher(read_config(model), quantization, codes)
-        loaded = load_model(model, dtype, finish=finish)
-        loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
+    map_large_blocks()
+    # quantized as each weight is read: the float32 model is never whole in memory
+    finish = weight_finisher(read_config(model), quantization, codes)
+    loaded = load_model(model, dtype, finish=finish)
+    loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
     release_host_memory()
     if key:
         weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype))

@@ -9,7 +9,8 @@ process, every bucket compiled (``warmup="full"``), the throughput workload thro
   ``.npy`` files, jaxlib, the C heap and malloc's thread arenas;
 * what the compiled steps hold: the runner's forward executables and samplers are dropped
   and the anonymous memory freed is reported per executable (XLA:CPU keeps ~9 MiB per
-  loaded step executable of the default model, ~22 MiB per sampler: this is why fewer
+  loaded step executable of the default model before its weights and KV pages were stacked,
+  ~2 MiB after; ~20 MiB per sampler: this is why fewer
   buckets weigh less).
 
     python benchmarks/memory_breakdown.py --quantization int8 --kv-cache-dtype int8

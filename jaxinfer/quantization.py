@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 MODES = {"int8": 8, "int4": 4}
@@ -317,8 +318,6 @@ def coded_table(table: Any) -> Any:
     if not (isinstance(table, jax.Array) and table.ndim == 2 and f32_kernel_applies(table)
             and len(table.devices()) == 1):
         return table
-    import numpy as np
-
     from pallas_kernels.f32_matmul.cpu import PANEL, CodedF32, PanelledF32
 
     V, D = table.shape

@@ -34,30 +34,31 @@ PAGE_BATCHES = (4, 32)
 COPY_BATCH = 8       # a fork copies one page per new beam: a few per step
 
 
+def _pages(kv: Any, idx: jax.Array) -> Any:
+    """The index of pages ``idx`` in every leaf of ``kv`` (axis 0, or 1 in a stacked pool)."""
+    return (slice(None), idx) if kvc.page_axis(kv) else idx
+
+
 def _copy(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
     """The cache with page ``dst[i]`` := page ``src[i]`` (i32[B]; padding copies 0 -> 0)."""
-    if kvc.page_axis(kv):
-        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="promise_in_bounds"), kv)
-    return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="promise_in_bounds"), kv)
+    s, d = _pages(kv, src), _pages(kv, dst)
+    return jax.tree.map(lambda x: x.at[d].set(x[s], mode="promise_in_bounds"), kv)
 
 
 def _gather(kv: Any, pages: jax.Array) -> list[jax.Array]:
     """Every leaf's rows ``pages`` i32[B] -> list of [B, ...] (the host copy's input; a
     stacked pool's [B, L, ...])."""
-    if kvc.page_axis(kv):
-        return [jnp.moveaxis(x[:, pages], 1, 0) for x in jax.tree.leaves(kv)]
-    return [x[pages] for x in jax.tree.leaves(kv)]
+    axis, p = kvc.page_axis(kv), _pages(kv, pages)
+    return [jnp.moveaxis(x[p], axis, 0) for x in jax.tree.leaves(kv)]
 
 
 def _scatter(kv: Any, pages: jax.Array, rows: list[jax.Array]) -> Any:
     """The cache with rows [B, ...] (a stacked pool's [B, L, ...]) written at ``pages``
     i32[B] (duplicates only at page 0)."""
     leaves, treedef = jax.tree.flatten(kv)
-    if kvc.page_axis(kv):
-        out = [x.at[:, pages].set(jnp.moveaxis(r, 0, 1).astype(x.dtype), mode="promise_in_bounds")
-               for x, r in zip(leaves, rows)]
-    else:
-        out = [x.at[pages].set(r.astype(x.dtype), mode="promise_in_bounds") for x, r in zip(leaves, rows)]
+    axis, p = kvc.page_axis(kv), _pages(kv, pages)
+    out = [x.at[p].set(jnp.moveaxis(r, 0, axis).astype(x.dtype), mode="promise_in_bounds")
+           for x, r in zip(leaves, rows)]
     return jax.tree.unflatten(treedef, out)
 
 

@@ -144,6 +144,10 @@ class GptLayer(DecoderLayer):
     residual, pre- or post-norm, as ``cfg.gpt`` says. Weights and hooks as in DecoderLayer
     (``attention`` and ``mlp`` overridden; ``cos`` / ``sin`` are None without rotary)."""
 
+    # GptForCausalLM runs its layers unrolled (no layer loop), so the runner must not stack
+    # their weights or the KV pool for one (models/layer_loop.py, engine/kv_cache.py StackedKV)
+    loopable = False
+
     def _norm(self, name: str, x: jax.Array) -> jax.Array:
         b = getattr(self, f"{name}_b")[...] if self.cfg.gpt.norm_bias else None
         return L.layer_norm(x, getattr(self, name)[...], b, self.cfg.rms_norm_eps)

@@ -149,6 +149,8 @@ def write_rows_layer(pages: Sequence[Sequence[jax.Array] | Stacked], rows: Seque
     Groups: float32 K, V; or int8 Kq, Vq and f32 Ks, Vs. Returns the groups' new arrays, in
     the form they came."""
     stacked = bool(pages) and all(isinstance(g, Stacked) for g in pages)
+    if not stacked and any(isinstance(g, Stacked) for g in pages):
+        raise ValueError("write_kv_layer: every group stacked, or none")
     groups, rows = [members(g) if stacked else list(g) for g in pages], list(rows)
     each = [layer_weights(g) for g in pages] if stacked else groups
     L = pages[0].value.shape[0] if stacked else len(groups[0]) if groups else 0

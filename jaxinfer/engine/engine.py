@@ -209,7 +209,10 @@ class Engine:
         from jaxinfer.engine.runner import compile_sampler
         from jaxinfer.loading import read_config
 
-        mc = loaded.config if loaded is not None else read_config(model)
+        try:
+            mc = loaded.config if loaded is not None else read_config(model)
+        except (OSError, ValueError):
+            return None, {}                 # the load says what is wrong with the model
         widths = sorted({b.sample_rows for b in self._ladders(self._max_model_len(mc)).all_buckets()})
         options = R.compiler_options()
         samplers = {w: compile_sampler(mc.vocab_size, c.max_num_seqs + 1, w, options) for w in widths}

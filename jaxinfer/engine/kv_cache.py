@@ -282,14 +282,18 @@ def write_kv_layer(k_pages: Any, v_pages: Any, k_new: jax.Array, v_new: jax.Arra
 
     if not isinstance(first_layer(k_pages), QuantizedPages):
         return cpu_attention.write_kv_layer(k_pages, v_pages, k_new, v_new, slot_mapping, layer)
+    def part(pages: Any, field: str) -> Any:        # every layer's q (or scale), in the form given
+        if isinstance(pages, Stacked):
+            return Stacked(getattr(pages.value, field))
+        return [getattr(p, field) for p in pages]
+
+    def join(q: Any, scale: Any) -> Any:
+        if isinstance(q, Stacked):
+            return Stacked(QuantizedPages(q.value, scale.value))
+        return [QuantizedPages(a, b) for a, b in zip(q, scale)]
+
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
-    if isinstance(k_pages, Stacked):
-        kq_p, vq_p, ks_p, vs_p = cpu_attention.write_rows_layer(
-            [Stacked(k_pages.value.q), Stacked(v_pages.value.q), Stacked(k_pages.value.scale),
-             Stacked(v_pages.value.scale)], [kq, vq, ks, vs], slot_mapping, layer)
-        return (Stacked(QuantizedPages(kq_p.value, ks_p.value)), Stacked(QuantizedPages(vq_p.value, vs_p.value)))
-    kq_pages, vq_pages, ks_pages, vs_pages = cpu_attention.write_rows_layer(
-        [[p.q for p in k_pages], [p.q for p in v_pages], [p.scale for p in k_pages], [p.scale for p in v_pages]],
+    kq_p, vq_p, ks_p, vs_p = cpu_attention.write_rows_layer(
+        [part(k_pages, "q"), part(v_pages, "q"), part(k_pages, "scale"), part(v_pages, "scale")],
         [kq, vq, ks, vs], slot_mapping, layer)
-    return ([QuantizedPages(q, s) for q, s in zip(kq_pages, ks_pages)],
-            [QuantizedPages(q, s) for q, s in zip(vq_pages, vs_pages)])
+    return join(kq_p, ks_p), join(vq_p, vs_p)

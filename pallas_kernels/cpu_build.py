@@ -92,14 +92,18 @@ _pending_lock = threading.Lock()
 
 
 def build_all_in_background() -> None:
-    """Start compiling every kernel here (<op>/*.cc) in threads, one compiler process each:
-    a first start then builds them side by side while the model loads, instead of one
-    after another as each is first used (each takes seconds). ``build`` waits for them."""
+    """Start compiling every kernel here (<op>/*.cc) in threads: a first start then builds
+    them while it compiles the sampler and loads the model, instead of one after another as
+    each is first used (each takes seconds). ``build`` waits for them. One compiler per
+    core, the largest source first: the f32 kernel (the sampler's row sums wait for it) is
+    then built in ~4 s on a 2-core machine instead of ~7 s beside three others."""
     with _pending_lock:
-        todo = [s for s in sorted(PACKAGE_DIR.glob("*/*.cc")) if s not in _pending]
+        todo = [s for s in PACKAGE_DIR.glob("*/*.cc") if s not in _pending]
         if not todo:
             return
-        pool = concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="jaxinfer-kernel-build")
+        todo.sort(key=lambda s: s.stat().st_size, reverse=True)
+        pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1),
+                                                     thread_name_prefix="jaxinfer-kernel-build")
         for src in todo:
             _pending[src] = pool.submit(_build, src)
         pool.shutdown(wait=False)

@@ -211,10 +211,10 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
 
 
 def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
-    """With int8 weights, the float32 embedding table (a GGUF's Q8_0 token_embd) is kept as
-    its exact codes (quantization.code_embedding): a TiedEmbedding over a CodedF32, saved
-    and mapped back, whose rows, and so the model's logits, are bitwise those of the
-    table kept as floats (``codes=False``)."""
+    """With int8 weights, an untied model's float32 embedding table (a GGUF's Q8_0
+    token_embd) is kept as its exact codes (quantization.code_embedding): a TiedEmbedding
+    over a CodedF32, saved and mapped back, whose rows, and so the model's logits, are
+    bitwise those of the table kept as floats (``codes=False``)."""
     import gguf
 
     from jaxinfer.quantization import TiedEmbedding
@@ -223,11 +223,11 @@ def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
 
     assert available()
     path = tmp_path / "q.gguf"
-    w = tiny_hf_weights(hidden=64, ffn=96)
+    w = tiny_hf_weights(hidden=64, ffn=96, tied=False)
     # 272 rows (a multiple of the kernel's 16-column panels; 12 past the tokenizer's 260, as
     # HF checkpoints pad their vocabularies)
-    w["model.embed_tokens.weight"] = np.concatenate([w["model.embed_tokens.weight"],
-                                                     w["model.embed_tokens.weight"][:12]])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w[name] = np.concatenate([w[name], w[name][:12]])
     write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
     cache = str(tmp_path / "cache")
     first = load_prepared(str(path), "float32", "int8", cache)
@@ -248,6 +248,53 @@ def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
     ids = list(range(2, 40))
     np.testing.assert_array_equal(ReferenceGenerator(coded.model).logits(ids),
                                   ReferenceGenerator(floats.model).logits(ids))
+
+
+def test_tied_int8_model_reads_its_embedding_from_the_int8_head(tmp_path, monkeypatch):
+    """A tied model with int8 weights keeps one int8 table (quantization.share_tied_table):
+    its embedding is a TiedEmbedding over the LM head's own QuantizedWeight, made once in
+    the load (weight_finisher) and the same as preparing the float model; the weight cache
+    saves it as a reference to the head (no table files) and maps it back shared; each row
+    is within half a quantization step of the float table's. A float table that is not the
+    head's (the tie flag set on other numbers) stays as it is."""
+    import gguf
+
+    from jaxinfer.loading import load_model
+    from jaxinfer.quantization import TiedEmbedding, prepare_for_engine, share_tied_table
+    from pallas_kernels.quantized_matmul.xla import QuantizedWeight
+
+    path = tmp_path / "t.gguf"
+    w = tiny_hf_weights(hidden=64, ffn=96)
+    w["model.embed_tokens.weight"] = np.concatenate([w["model.embed_tokens.weight"],
+                                                     w["model.embed_tokens.weight"][:12]])
+    write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
+    cache = str(tmp_path / "cache")
+    first = load_prepared(str(path), "float32", "int8", cache)
+    calls = _loads_from_source(monkeypatch)
+    again = load_prepared(str(path), "float32", "int8", cache)
+    assert calls == []                                                  # from the cache
+    entry = next(p for p in (tmp_path / "cache").iterdir() if not p.name.startswith("."))
+    names = [w_["path"] for w_ in json.loads((entry / "weights.json").read_text())["weights"]]
+    assert ["embed"] in names and not any(f.name.startswith(f"{names.index(['embed']):04d}.")
+                                          for f in entry.iterdir())    # a reference, no arrays
+    floats = load_model(str(path), "float32")
+    table = np.asarray(floats.model.embed.get_value())
+    prepared_ = prepare_for_engine(floats.model, "int8")
+    for m in (first.model, again.model, prepared_):
+        emb, head = m.embed.get_value(), m.lm_head.get_value()
+        assert isinstance(emb, TiedEmbedding) and isinstance(head, QuantizedWeight) and head.bits == 8
+        assert emb.head.q is head.q and emb.head.scales is head.scales
+        np.testing.assert_array_equal(np.asarray(head.q), np.asarray(first.model.lm_head.get_value().q))
+        rows = np.asarray(emb.rows(np.arange(table.shape[0], dtype=np.int32)))
+        step = np.asarray(head.scales)[:, None]
+        assert rows.dtype == np.float32 and np.all(np.abs(rows - table) <= step * (0.5 + 1e-5))
+    other = load_model(str(path), "float32").model
+    other.embed.set_value(other.embed.get_value() + 0.1)                # not the head's numbers
+    other = prepare_for_engine(other, "int8", codes=False)
+    assert isinstance(other.lm_head.get_value(), QuantizedWeight)
+    assert isinstance(other.embed.get_value(), jax.Array)                # the table kept
+    kept = share_tied_table(other).embed.get_value()
+    assert isinstance(kept, jax.Array)
 
 
 def test_coded_table_in_slabs_equals_the_whole_table_coded():

@@ -90,6 +90,17 @@ class QuantizedWeight:
         K, N = self.shape
         return self.q.transpose(1, 3, 0, 2).reshape(K, N)
 
+    def columns_as_rows(self, cols: jax.Array) -> jax.Array:
+        """cols i32[T] -> f32 [T, K]: columns of an int8 weight, dequantized (a tied LM
+        head's embedding rows: the table's rows as per-row int8 codes times their scale)."""
+        if self.bits != 8:
+            raise ValueError(f"columns_as_rows: int8 weights only, this one has {self.bits} bits")
+        if self.panel:                 # q[n // P, k // 2, n % P, k % 2] holds element (k, n)
+            q = self.q[cols // self.panel, :, cols % self.panel, :].reshape(cols.shape[0], -1)
+        else:
+            q = self.q[:, cols].T
+        return q.astype(jnp.float32) * self.scales[cols][:, None]
+
     def __getitem__(self, key: Any) -> "QuantizedWeight":
         """``param[...]`` (how a model reads its weights) returns the weight itself."""
         if key is Ellipsis:

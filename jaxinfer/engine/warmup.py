@@ -13,9 +13,11 @@ only calls executables (the invariant tests/test_warmup.py asserts).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.batch import Bucket, BucketLadders
@@ -130,6 +132,11 @@ class BucketCompiler:
         """``compile_rest`` in a daemon thread (the caller serves meanwhile)."""
         self._thread = threading.Thread(target=self.compile_rest, name="jaxinfer-compile", daemon=True)
         self._thread.start()
+        # A daemon thread still compiling when the interpreter exits is cut off inside XLA
+        # while the runtime is torn down ("terminate called ...", an abort): a script that
+        # generated and returned before the engine was warm. Stop it first (after its bucket).
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.stop())
 
     def ensure(self, runner: Any, b: Bucket) -> None:
         """Called by a step about to run in ``b``: compile it now if it is not there yet

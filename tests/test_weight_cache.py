@@ -210,30 +210,37 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
                                   ReferenceGenerator(floats.model).logits(ids))
 
 
-def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
-    """With int8 weights, an untied model's float32 embedding table (a GGUF's Q8_0
-    token_embd) is kept as its exact codes (quantization.code_embedding): a TiedEmbedding
-    over a CodedF32, saved and mapped back, whose rows, and so the model's logits, are
-    bitwise those of the table kept as floats (``codes=False``)."""
+def _int8_q8_model_twice(tmp_path, monkeypatch, tied: bool) -> tuple:
+    """A tiny Q8_0 GGUF loaded with int8 weights twice, the second time from the weight
+    cache: (path, cache dir, first, second, source loads since the first)."""
     import gguf
 
-    from jaxinfer.quantization import TiedEmbedding
-    from jaxinfer.reference import ReferenceGenerator
-    from pallas_kernels.f32_matmul.cpu import CodedF32, available
-
-    assert available()
     path = tmp_path / "q.gguf"
-    w = tiny_hf_weights(hidden=64, ffn=96, tied=False)
+    w = tiny_hf_weights(hidden=64, ffn=96, tied=tied)
     # 272 rows (a multiple of the kernel's 16-column panels; 12 past the tokenizer's 260, as
     # HF checkpoints pad their vocabularies)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    for name in ("model.embed_tokens.weight", "lm_head.weight")[:1 if tied else 2]:
         w[name] = np.concatenate([w[name], w[name][:12]])
     write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
     cache = str(tmp_path / "cache")
     first = load_prepared(str(path), "float32", "int8", cache)
     calls = _loads_from_source(monkeypatch)
-    coded = load_prepared(str(path), "float32", "int8", cache)
+    second = load_prepared(str(path), "float32", "int8", cache)
     assert calls == []                                                  # from the cache
+    return path, cache, first, second, calls
+
+
+def test_int8_model_keeps_its_float_embedding_as_codes(tmp_path, monkeypatch):
+    """With int8 weights, an untied model's float32 embedding table (a GGUF's Q8_0
+    token_embd) is kept as its exact codes (quantization.code_embedding): a TiedEmbedding
+    over a CodedF32, saved and mapped back, whose rows, and so the model's logits, are
+    bitwise those of the table kept as floats (``codes=False``)."""
+    from jaxinfer.quantization import TiedEmbedding
+    from jaxinfer.reference import ReferenceGenerator
+    from pallas_kernels.f32_matmul.cpu import CodedF32, available
+
+    assert available()
+    path, cache, first, coded, calls = _int8_q8_model_twice(tmp_path, monkeypatch, tied=False)
     emb = coded.model.embed.get_value()
     first_emb = first.model.embed.get_value()
     for x, y in zip(jax.tree.leaves(emb), jax.tree.leaves(first_emb), strict=True):
@@ -257,22 +264,11 @@ def test_tied_int8_model_reads_its_embedding_from_the_int8_head(tmp_path, monkey
     saves it as a reference to the head (no table files) and maps it back shared; each row
     is within half a quantization step of the float table's. A float table that is not the
     head's (the tie flag set on other numbers) stays as it is."""
-    import gguf
-
     from jaxinfer.loading import load_model
     from jaxinfer.quantization import TiedEmbedding, prepare_for_engine, share_tied_table
     from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
-    path = tmp_path / "t.gguf"
-    w = tiny_hf_weights(hidden=64, ffn=96)
-    w["model.embed_tokens.weight"] = np.concatenate([w["model.embed_tokens.weight"],
-                                                     w["model.embed_tokens.weight"][:12]])
-    write_gguf(path, w, qtype=gguf.GGMLQuantizationType.Q8_0)
-    cache = str(tmp_path / "cache")
-    first = load_prepared(str(path), "float32", "int8", cache)
-    calls = _loads_from_source(monkeypatch)
-    again = load_prepared(str(path), "float32", "int8", cache)
-    assert calls == []                                                  # from the cache
+    path, cache, first, again, calls = _int8_q8_model_twice(tmp_path, monkeypatch, tied=True)
     entry = next(p for p in (tmp_path / "cache").iterdir() if not p.name.startswith("."))
     names = [w_["path"] for w_ in json.loads((entry / "weights.json").read_text())["weights"]]
     assert ["embed"] in names and not any(f.name.startswith(f"{names.index(['embed']):04d}.")

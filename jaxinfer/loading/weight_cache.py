@@ -38,7 +38,9 @@ from jaxinfer.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxinfer")
 
-FORMAT_VERSION = 1
+# 2: a tied int8 model's embedding is a reference to its int8 LM head (one table, not two);
+# an entry of an older format is prepared again once and replaced.
+FORMAT_VERSION = 2
 META = "weights.json"
 MAX_ENTRIES = 6          # the most recently used entries kept (each a model's weights)
 _default_dir: str | None = None

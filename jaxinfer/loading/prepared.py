@@ -48,12 +48,12 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     if key and weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype)):
         # Serve from the saved entry's mapped files, as every later start does: the prepared
         # arrays were made in the load's heap among its freed scratch, and the pages they
-        # share with it stay resident for the life of the server (int8 default model: -40 MiB).
+        # share with it stay resident for the life of the server (int8 default model: -60 MiB).
         hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
         if hit is not None:
             loaded = hit
     # The load's one-off jitted helpers (quantize, transposes, stacking: ~30 small
-    # executables and their traces) would stay in jax's caches: another ~45 MiB.
+    # executables and their traces) would stay in jax's caches: another ~40 MiB.
     jax.clear_caches()
     release_host_memory()
     loaded.load_seconds = time.perf_counter() - t0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +86,9 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
     from jaxinfer.models.registry import model_class
 
     bits = check_mode(mode)
-    if bits is None or not getattr(model_class(cfg.architecture), "quantization", True):
+    if bits is None:
+        return _float_finisher(codes) if jax.default_backend() == "cpu" else None
+    if not getattr(model_class(cfg.architecture), "quantization", True):
         return None
     quantized = _weight_quantizer(cfg, bits)
     shared: dict[str, Any] = {}       # a tied int8 model: the one int8 table (share_tied_table)
@@ -123,6 +125,39 @@ def _shallow_copy(model: nnx.Module) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _float_finisher(codes: bool) -> Callable[[str, jax.Array], Any]:
+    """For a float32 load on CPU: each 2-D matmul weight panelled for the f32 kernel and
+    coded (``codes``) as it is read, as prepare_float_for_cpu would do it after the load
+    (it then fuses the panelled parts: ``_join_panelled``), so the load never holds the
+    whole float32 model (the default model's cold float32 load peaked at the float model
+    plus its transients)."""
+    from jaxinfer.matmul import f32_kernel_applies
+    from pallas_kernels.f32_matmul.codes import encode
+    from pallas_kernels.f32_matmul.cpu import PanelledF32
+
+    def finish(path: str, value: jax.Array) -> Any:
+        if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS or value.ndim != 2 or not f32_kernel_applies(value):
+            return value
+        value = _panel(value)
+        if codes and isinstance(value, PanelledF32):
+            value = encode(value) or value
+        return value
+
+    return finish
+
+
+def _join_panelled(ws: Sequence[Any]) -> Any:
+    """Panel-major parts (PanelledF32 / CodedF32, each a multiple of 16 columns) fused along
+    the panel axis: the fused weight panelled, since a panel holds its own 16 columns (and
+    its codes depend on those alone); coded where every part is."""
+    from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32
+
+    if all(isinstance(w, CodedF32) for w in ws):
+        return CodedF32(*(jnp.concatenate([getattr(w, f) for w in ws]) for f in ("codes", "scale", "offset")))
+    return PanelledF32(jnp.concatenate([w.panelled().panels if isinstance(w, CodedF32) else w.panels
+                                        for w in ws]))
+
+
 def _matmul_params(model: nnx.Module, names: Any) -> list[nnx.Variable]:
     """The model's own Variables (not copies: setting one changes the model) whose
     attribute name is in ``names``, wherever they sit in the module tree."""
@@ -141,8 +176,10 @@ def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
     fixed ~10-15 us (FFI call, thread hand-off); fused it is 4. Exact: the packed kernel
     computes every output column from its own panel and the row's activations alone, so the
     fused product is bitwise the concatenation of the separate ones (tested)."""
+    from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32
     from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
+    panelled = (PanelledF32, CodedF32)
     for layer in model.layers:
         for fused, parts in FUSED:
             if not all(hasattr(layer, p) for p in parts):    # e.g. a plain (ungated) MLP
@@ -152,7 +189,10 @@ def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
                 q = jnp.concatenate([w.q for w in ws], axis=0)              # panels: [N/32, K/2, 32, 2]
                 scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
                 value = QuantizedWeight(q, scales, 8, 0, ws[0].panel)
+            elif all(isinstance(w, panelled) for w in ws):                 # a float32 load's (_float_finisher)
+                value = _join_panelled(ws)
             elif all(_f32_kernel_weight(w) for w in ws):
+                ws = [w.unpanelled() if isinstance(w, panelled) else w for w in ws]
                 value = _concatenate(tuple(ws), layout)                     # [K, N_q + N_k + N_v]
             else:
                 continue
@@ -278,7 +318,8 @@ def tie_embedding(model: nnx.Module) -> nnx.Module:
     if not isinstance(table, jax.Array) or hasattr(head, "scales") or head.shape != table.shape[::-1] \
             or head.dtype != table.dtype:
         return model
-    if bool(_same_transposed(table, getattr(head, "panels", head))):
+    panels = head.panelled().panels if hasattr(head, "codes") else getattr(head, "panels", head)
+    if bool(_same_transposed(table, panels)):
         embed.set_value(TiedEmbedding(head))
     return model
 

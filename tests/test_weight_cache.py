@@ -210,6 +210,39 @@ def test_block_quantized_weights_are_kept_as_codes(tmp_path, monkeypatch, qtype)
                                   ReferenceGenerator(floats.model).logits(ids))
 
 
+@pytest.mark.parametrize("codes", [True, False])
+def test_float32_load_panels_and_codes_each_weight_as_read(tmp_path, codes):
+    """A float32 load on CPU panels (and codes) each matmul weight as it reads it
+    (quantization._float_finisher) and fuses the panelled parts afterwards: every array of
+    the prepared model equals preparing the whole float model after the load, also where
+    one part of a fused weight has no exact codes (a coded wq and wv beside a float wk)."""
+    import gguf
+
+    from jaxinfer.loading import load_model, read_config
+    from jaxinfer.quantization import prepare_for_engine, weight_finisher
+    from pallas_kernels.f32_matmul.cpu import CodedF32, PanelledF32, available
+
+    assert available()
+    path = tmp_path / "q.gguf"
+    write_gguf(path, tiny_hf_weights(hidden=64, ffn=96), qtype=gguf.GGMLQuantizationType.Q8_0)
+    nudge = lambda p, v: v + 1e-7 if p == "layers.0.wk" else v          # noqa: E731  (no codes)
+    finish = weight_finisher(read_config(str(path)), None, codes)
+    assert finish is not None
+    ours = load_model(str(path), "float32", finish=lambda p, v: finish(p, nudge(p, v))).model
+    ours = prepare_for_engine(ours, None, in_place=True, codes=codes)
+    ref = load_model(str(path), "float32").model
+    ref.layers[0].wk.set_value(nudge("layers.0.wk", ref.layers[0].wk[...]))
+    ref = prepare_for_engine(ref, None, in_place=True, codes=codes)
+    a, b = _state(ours), _state(ref)
+    assert a.keys() == b.keys()
+    for p in a:
+        assert a[p][0] == b[p][0], p
+        for x, y in zip(a[p][1], b[p][1], strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=str(p))
+    kinds = {p: type(getattr(ours.layers[i], "wqkv")[...]) for i, p in enumerate(("first", "second"))}
+    assert kinds == ({"first": PanelledF32, "second": CodedF32} if codes else {"first": PanelledF32, "second": PanelledF32})
+
+
 def _int8_q8_model_twice(tmp_path, monkeypatch, tied: bool) -> tuple:
     """A tiny Q8_0 GGUF loaded with int8 weights twice, the second time from the weight
     cache: (path, cache dir, first, second, source loads since the first)."""

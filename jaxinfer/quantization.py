@@ -81,8 +81,9 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
     """For a load (loading.load_model's ``finish``): each matmul weight quantized as it is
     read, exactly as quantize_model would (per weight, fused afterwards), and the embedding
     coded as code_embedding would (``codes``), so a quantized load never holds the whole
-    float32 model (the int8 default model's cold load peaked at ~960 MiB that way). None
-    where nothing is quantized or the family is not (MoE)."""
+    float32 model (the int8 default model's cold load peaked at ~960 MiB that way). A
+    float load on CPU: ``_float_finisher`` (panelled and coded as read). None off CPU
+    when nothing is quantized, or where the family is not quantized (MoE)."""
     from jaxinfer.models.registry import model_class
 
     bits = check_mode(mode)

@@ -353,8 +353,10 @@ def _head_from_table(table: jax.Array, quantized: Callable[[jax.Array], Any], st
     transient is one transposed slab (9 MiB for SmolLM2), not a transposed table (113 MB)."""
     rows = np.asarray(table)
     parts = [quantized(jnp.asarray(np.ascontiguousarray(rows[v0:v0 + step].T))) for v0 in range(0, len(rows), step)]
-    if len(parts) == 1 or len({p.panel for p in parts}) > 1:     # a last slab that does not panel
-        return parts[0] if len(parts) == 1 else quantized(table.T)
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.panel for p in parts}) > 1:          # a last slab that does not fill a panel
+        return quantized(table.T)
     return dataclasses.replace(parts[0], q=jnp.concatenate([p.q for p in parts], axis=0 if parts[0].panel else 1),
                                scales=jnp.concatenate([p.scales for p in parts]))
 

@@ -33,23 +33,25 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     source = model_path(model)
     options = {"dtype": dtype, "quantization": quantization, "weight_codes": codes}
     key = weight_cache.cache_key(source, options) if cache_dir else None
+    layout = lambda: kernel_layout(quantization, dtype)      # noqa: E731  (asked only when needed)
     if key:
-        hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
+        hit = weight_cache.load(cache_dir, key, layout)
         if hit is not None:
             hit.load_seconds = time.perf_counter() - t0
             log.info("weights from the cache %s/%s (%.1fs)", cache_dir, key, hit.load_seconds)
             return hit
     map_large_blocks()
-    # quantized as each weight is read: the float32 model is never whole in memory
+    # each weight in its final form as it is read (quantized, or panelled and coded): the
+    # float32 model is never whole in memory
     finish = weight_finisher(read_config(model), quantization, codes)
     loaded = load_model(model, dtype, finish=finish)
     loaded.model = prepare_for_engine(loaded.model, quantization, in_place=True, codes=codes)
     release_host_memory()
-    if key and weight_cache.save(cache_dir, key, loaded, options, kernel_layout(quantization, dtype)):
+    if key and weight_cache.save(cache_dir, key, loaded, options, layout()):
         # Serve from the saved entry's mapped files, as every later start does: the prepared
         # arrays were made in the load's heap among its freed scratch, and the pages they
         # share with it stay resident for the life of the server (int8 default model: -60 MiB).
-        hit = weight_cache.load(cache_dir, key, lambda: kernel_layout(quantization, dtype))
+        hit = weight_cache.load(cache_dir, key, layout)
         if hit is not None:
             loaded = hit
     # The load's one-off jitted helpers (quantize, transposes, stacking: ~30 small

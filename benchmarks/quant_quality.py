@@ -4,7 +4,8 @@ For each MT-Bench question (first turn, chat template): the float32 engine's gre
 continuation of ``--tokens`` tokens; each quantized engine's own greedy continuation
 (leading agreement with float32) and, teacher-forced along the float32 continuation, the
 mean KL(float32 || quantized) of the next-token distributions (jaxinfer/quality.py).
-Also the bytes of the weights in each format. ``kv-int8``: float32 weights, int8 KV pages.
+Also the bytes of the weights in each format. ``kv-int8``: float32 weights, int8 KV pages;
+``int8+kv-int8``: int8 weights and int8 KV pages (the smallest configuration, issue 16).
 
     python benchmarks/quant_quality.py --out /tmp/bench/quant_quality.json     # ~10 min
 """
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--modes", default="int8,int4,kv-int8",
-                    help="int8 / int4 weights, kv-int8: float32 weights with int8 KV pages")
+                    help="int8 / int4 weights, kv-int8: float32 weights with int8 KV pages, "
+                         "int8+kv-int8: both")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -71,8 +73,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     print(f"| float32 | {res['float32_weight_bytes'] / 1e6:.0f} | 0 | 0 | {a.tokens} / {a.tokens} | 100% |")
     for mode in a.modes.split(","):
-        kv = mode == "kv-int8"
-        toks, model, secs = greedy(loaded, None if kv else mode, ps, a.tokens, "int8" if kv else None)
+        weights, _, kv_mode = mode.rpartition("+") if "+" in mode else (mode, "", mode)
+        kv = kv_mode == "kv-int8"
+        quantization = None if weights == "kv-int8" else weights
+        toks, model, secs = greedy(loaded, quantization, ps, a.tokens, "int8" if kv else None)
         r = compare(ref_model, model, ps, ref_tokens, toks, kv_int8=kv)
         r["weight_bytes"] = weight_bytes(model)
         res["modes"][mode] = r

@@ -17,7 +17,9 @@ weights and every step shape are made), then again (all of it comes from
 * ``peak_rss_workload_mib``: its peak RSS after the throughput workload (32 prompts of
   16-256 tokens, 128 new tokens each, all at once; ``--quick``: 32 new tokens, whose KV is
   ~135 MiB smaller for float32, so its RSS is not the workload's peak), which is
-  sent as soon as the first token came back;
+  sent as soon as the first token came back, while a first start still compiles the other
+  step shapes in the background (``rss_anon/file_after_workload_mib``: the RSS then, split
+  into anonymous and file-backed pages);
 * ``peak_rss_mib``: its peak RSS once ready (every bucket compiled) or at ``--ready-timeout``.
 
 ``--python`` times ``Engine()`` in a fresh interpreter the same way (own fresh HOME, cold
@@ -83,19 +85,25 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _rss_mib(pid: int) -> tuple[float, float]:
-    """(current, peak) RSS in MiB of process ``pid``, summed over its process tree (the peak
-    is the sum of each process's own peak: VmHWM)."""
-    cur = peak = 0.0
+def _status_mib(pid: int, keys: tuple[str, ...]) -> dict[str, float]:
+    """``/proc/PID/status`` fields in MiB, summed over ``pid``'s process tree."""
+    tot = dict.fromkeys(keys, 0.0)
     for p in _tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
-                vals = {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in f)
-                        if k in ("VmRSS", "VmHWM")}
+                for k, _, v in (line.partition(":") for line in f):
+                    if k in tot:
+                        tot[k] += int(v.split()[0]) / 1024
         except (OSError, ValueError):
             continue
-        cur, peak = cur + vals.get("VmRSS", 0.0), peak + vals.get("VmHWM", 0.0)
-    return cur, peak
+    return tot
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """(current, peak) RSS in MiB of process ``pid``, summed over its process tree (the peak
+    is the sum of each process's own peak: VmHWM)."""
+    vals = _status_mib(pid, ("VmRSS", "VmHWM"))
+    return vals["VmRSS"], vals["VmHWM"]
 
 
 def _cpu_s(pid: int) -> float:
@@ -178,6 +186,11 @@ def run_server(cmd: list[str], home: str, prompts, new_tokens: int, model: str |
             res["first_token_s"] = time.perf_counter() - t0
             res["workload"] = _workload(client, url, name, prompts, new_tokens)
             res["rss_after_workload_mib"], res["peak_rss_workload_mib"] = _rss_mib(proc.pid)
+            # what the RSS is made of then: a first start keeps ~25 MiB more file-backed pages
+            # than a later one (the compiler's code in libjax; RESULTS, session 44)
+            split = _status_mib(proc.pid, ("RssAnon", "RssFile", "RssShmem"))
+            res["rss_anon_after_workload_mib"] = split["RssAnon"]
+            res["rss_file_after_workload_mib"] = split["RssFile"] + split["RssShmem"]
             res["ready_s"] = None       # not within ready_timeout
             while time.perf_counter() - t0 < ready_timeout:
                 h = health(client)
@@ -313,17 +326,25 @@ def default_model_hf_dir() -> str:
     return str(out)
 
 
-def peers(port: int, args: Any) -> dict[str, tuple[list[str], dict[str, str], str] | str]:
+def _as_text(prompts: list[list[int]]) -> list[str]:
+    """The default model's token-id prompts as text (special tokens spelled out)."""
+    from jaxinfer.loading import load_tokenizer
+
+    tok = load_tokenizer(None)
+    return [tok.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+def peers(port: int, args: Any) -> dict[str, tuple[list[str], dict[str, str], str, bool] | str]:
     """Peer servers on the default model: (command, extra environment, the path that
-    answers 200 once it serves), or why not."""
+    answers 200 once it serves, whether its /v1/completions takes token ids), or why not."""
     from jaxinfer.loading.default import default_model_path
 
-    out: dict[str, tuple[list[str], dict[str, str], str] | str] = {}
+    out: dict[str, tuple[list[str], dict[str, str], str, bool] | str] = {}
     py = _peer_python(args.llamacpp_python, "llamacpp", "llama_cpp")
     if py:
         out["llama.cpp"] = ([py, "-m", "llama_cpp.server", "--model", default_model_path(), "--port", str(port),
                              "--n_threads", str(os.cpu_count() or 1), "--model_alias", "default"], {},
-                            "/v1/models")
+                            "/v1/models", False)
     else:
         out["llama.cpp"] = "not installed (pip install 'llama-cpp-python[server]'; --llamacpp-python)"
     py = _peer_python(args.vllm_python, "vllm", "vllm")
@@ -331,7 +352,7 @@ def peers(port: int, args: Any) -> dict[str, tuple[list[str], dict[str, str], st
         model = args.vllm_model or default_model_hf_dir()
         out["vllm"] = ([py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                         "--dtype", "float32", "--served-model-name", "default", "--max-model-len", "4096"],
-                       {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}, "/health")
+                       {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}, "/health", True)
     else:
         out["vllm"] = "not installed (vllm-cpu; --vllm-python)"
     return out
@@ -411,8 +432,11 @@ def main() -> int:
             if isinstance(spec, str):
                 res["runs"][name] = spec
                 continue
-            cmd, env, health = spec
-            each_phase(name, lambda home: run_server(cmd, home, prompts, new_tokens, model="default",
+            cmd, env, health, takes_ids = spec
+            # llama-cpp-python's server takes text prompts only (a 422-turned-500 for ids): the
+            # same prompts as text, which its tokenizer reads back into (nearly) the same ids
+            sent = prompts if takes_ids else _as_text(prompts)
+            each_phase(name, lambda home: run_server(cmd, home, sent, new_tokens, model="default",
                                                      ready_timeout=args.ready_timeout, env=env,
                                                      health_path=health))
     res["load_avg_end"] = C.load_avg()

@@ -118,3 +118,28 @@ def test_a_script_that_exits_while_buckets_compile_exits_cleanly():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-1:] == ["False"], (out.stdout, out.stderr[-2000:])    # it was compiling
     assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-2000:]
+
+
+def test_tokenizer_built_while_transformers_imports_in_the_background(default_gguf_path, tmp_path):
+    """A start imports transformers in a thread while its sampler compiles; the tokenizer's
+    own import waits for that thread to finish (without the wait an Engine start read the
+    half-imported lazy module: "module 'transformers' has no attribute 'AutoTokenizer'", and
+    threw its weight cache entry away), and the tokenizer gives the same ids."""
+    from jaxinfer.loading import load_tokenizer
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    tok = load_tokenizer(default_gguf_path)
+    tok.hf.save_pretrained(str(tmp_path))
+    text = "Hello, world: 1 + 2 = 3."
+    code = ("from jaxinfer.loading import tokenizer as T\n"
+            "T.import_transformers_in_background()\n"
+            "T._import_transformers()\n"
+            "assert T._prefetch is not None and not T._prefetch.is_alive(), 'did not wait'\n"
+            f"tok = T.Tokenizer.from_saved({str(tmp_path)!r}, {list(tok.eos_token_ids)!r}, {tok.vocab_size})\n"
+            f"print(tok.encode({text!r}))\n"
+            "assert T._prefetch is not None and not T._prefetch.is_alive()\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = Tokenizer.from_saved(str(tmp_path), tok.eos_token_ids, tok.vocab_size).encode(text)
+    assert out.stdout.split("\n")[-2] == str(want)

@@ -209,13 +209,18 @@ def kv_budget(config: EngineConfig, need: int | None = None) -> int:
     return budget
 
 
-def start_kernel_builds() -> None:
-    """On CPU, compile the C++ kernels (pallas_kernels/cpu_build.py) while the model loads."""
+def start_background_work() -> None:
+    """Work a start needs later, begun now on the idle core while the sampler compiles: the
+    C++ kernels (on CPU, pallas_kernels/cpu_build.py) and transformers' import (the
+    tokenizer's; ~1 s of every start, cold or warm)."""
     import jax
+
+    from jaxinfer.loading.tokenizer import import_transformers_in_background
 
     if jax.default_backend() == "cpu":
         from pallas_kernels import cpu_build
         cpu_build.build_all_in_background()
+    import_transformers_in_background()
 
 
 def use_compilation_cache(path: str | None) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import threading
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
@@ -77,7 +79,33 @@ class _NoTorchAdvice(logging.Filter):
         return not str(record.msg).startswith("PyTorch was not found")
 
 
+_prefetch: threading.Thread | None = None
+
+
+def import_transformers_in_background() -> None:
+    """Import transformers' tokenizer classes in a daemon thread (a start calls this before
+    compiling its sampler): ~1 s of one core that the tokenizer would otherwise spend inside
+    the load, on the critical path of every start, cold or warm, while the sampler compile
+    leaves the other core idle."""
+    global _prefetch
+    if "transformers" not in sys.modules and _prefetch is None:
+        _prefetch = threading.Thread(target=_prefetch_tokenizer_classes, name="jaxinfer-import", daemon=True)
+        _prefetch.start()
+
+
+def _prefetch_tokenizer_classes() -> None:
+    try:
+        _import_transformers().PreTrainedTokenizerFast      # noqa: B018  (a lazy attribute: imports it)
+    except BaseException:       # noqa: BLE001 - the load imports it again and says what is wrong
+        pass
+
+
 def _import_transformers() -> Any:
+    # transformers' lazy module is not safe to use from one thread while another is still
+    # importing it (seen: "module 'transformers' has no attribute 'AutoTokenizer'"): wait
+    # for the background import to finish first
+    if _prefetch is not None and _prefetch is not threading.current_thread():
+        _prefetch.join()
     log = logging.getLogger("transformers")
     if not any(isinstance(f, _NoTorchAdvice) for f in log.filters):
         log.addFilter(_NoTorchAdvice())

@@ -73,9 +73,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     print(f"| float32 | {res['float32_weight_bytes'] / 1e6:.0f} | 0 | 0 | {a.tokens} / {a.tokens} | 100% |")
     for mode in a.modes.split(","):
-        weights, _, kv_mode = mode.rpartition("+") if "+" in mode else (mode, "", mode)
-        kv = kv_mode == "kv-int8"
-        quantization = None if weights == "kv-int8" else weights
+        kv = mode.endswith("kv-int8")                  # "kv-int8" or "<weights>+kv-int8"
+        quantization = mode.split("+")[0] if "+" in mode else (None if kv else mode)
         toks, model, secs = greedy(loaded, quantization, ps, a.tokens, "int8" if kv else None)
         r = compare(ref_model, model, ps, ref_tokens, toks, kv_int8=kv)
         r["weight_bytes"] = weight_bytes(model)

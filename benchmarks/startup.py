@@ -433,8 +433,8 @@ def main() -> int:
                 res["runs"][name] = spec
                 continue
             cmd, env, health, takes_ids = spec
-            # llama-cpp-python's server takes text prompts only (a 422-turned-500 for ids): the
-            # same prompts as text, which its tokenizer reads back into (nearly) the same ids
+            # llama-cpp-python's server takes text prompts only (ids: HTTP 500, a validation
+            # error): the same prompts as text, which its tokenizer reads back into the same ids
             sent = prompts if takes_ids else _as_text(prompts)
             each_phase(name, lambda home: run_server(cmd, home, sent, new_tokens, model="default",
                                                      ready_timeout=args.ready_timeout, env=env,

@@ -89,8 +89,9 @@ def import_transformers_in_background() -> None:
     leaves the other core idle."""
     global _prefetch
     if "transformers" not in sys.modules and _prefetch is None:
-        _prefetch = threading.Thread(target=_prefetch_tokenizer_classes, name="jaxinfer-import", daemon=True)
-        _prefetch.start()
+        thread = threading.Thread(target=_prefetch_tokenizer_classes, name="jaxinfer-import", daemon=True)
+        thread.start()
+        _prefetch = thread          # only a started thread is ever joined
 
 
 def _prefetch_tokenizer_classes() -> None:

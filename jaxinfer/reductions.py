@@ -20,14 +20,14 @@ def row_sum(x: jax.Array) -> jax.Array:
     length is padded with one 0, which changes no sum).
 
     On the CPU backend a float32 sum is one call of the C++ kernel that does the same fold
-    (pallas_kernels/f32_matmul/cpu.row_sum: the same bits, tests/test_reductions.py): traced
+    (pallas_kernels/row_sum/cpu.row_sum: the same bits, tests/test_reductions.py): traced
     in jnp, the fold is ~40 HLO instructions per sum, and a decoder layer's sums were half
     of its HLO, which doubled every step executable's compile time and resident size
     (benchmarks/RESULTS.md "Row sums as one C++ custom call"). Elsewhere (GPU, TPU, no C++ compiler) the jnp fold."""
     if _kernel_applies(x):
-        from pallas_kernels.f32_matmul import cpu as cpu_f32
+        from pallas_kernels.row_sum import cpu as cpu_row_sum
 
-        return cpu_f32.row_sum(x)
+        return cpu_row_sum.row_sum(x)
     return row_sum_tree(x)
 
 
@@ -37,9 +37,9 @@ def row_sum_squares(x: jax.Array) -> jax.Array:
     XLA may fuse a square into an FMA with the add after it, so the two paths can differ in
     the last bit; each is batch-invariant."""
     if _kernel_applies(x):
-        from pallas_kernels.f32_matmul import cpu as cpu_f32
+        from pallas_kernels.row_sum import cpu as cpu_row_sum
 
-        return cpu_f32.row_sum(x, squares=True)
+        return cpu_row_sum.row_sum(x, squares=True)
     return row_sum_tree(x * x)
 
 
@@ -47,9 +47,9 @@ def name() -> str:
     """What serves float32 row sums here: "cpp" (the C++ fold) or "xla" (the jnp fold)."""
     if jax.default_backend() != "cpu":
         return "xla"
-    from pallas_kernels.f32_matmul import cpu as cpu_f32
+    from pallas_kernels.row_sum import cpu as cpu_row_sum
 
-    return "cpp" if cpu_f32.available() else "xla"
+    return "cpp" if cpu_row_sum.available() else "xla"
 
 
 def _kernel_applies(x: jax.Array) -> bool:

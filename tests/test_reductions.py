@@ -77,12 +77,12 @@ def _kernel():
     import os
     import shutil
 
-    from pallas_kernels.f32_matmul import cpu as cpu_f32
+    from pallas_kernels.row_sum import cpu as cpu_row_sum
 
     if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("no C++ compiler: the CPU f32 kernel cannot be built here")
-    assert cpu_f32.available(), f"the CPU f32 kernel did not build: {cpu_f32.unavailable_reason()}"
-    return cpu_f32
+        pytest.skip("no C++ compiler: the CPU row-sum kernel cannot be built here")
+    assert cpu_row_sum.available(), f"the CPU row-sum kernel did not build: {cpu_row_sum.unavailable_reason()}"
+    return cpu_row_sum
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 77, 576, 640, 1001, 49152])

@@ -37,12 +37,13 @@ from pallas_kernels.attention import cpu as cpu_attention
 from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
 from pallas_kernels.quantized_matmul import cpu as cpu_matmul
 from pallas_kernels.alloc import cpu as cpu_alloc
+from pallas_kernels.row_sum import cpu as cpu_row_sum
 from jaxinfer.attention import dispatch
 from jaxinfer import matmul as M, reductions
 
-cpu_build.build_all_in_background()      # as the engine does at start: all four side by side
+cpu_build.build_all_in_background()      # as the engine does at start: all side by side
 ok = {m.__name__: (m.available(), m.unavailable_reason())
-      for m in (cpu_f32_matmul, cpu_matmul, cpu_attention, cpu_alloc)}
+      for m in (cpu_f32_matmul, cpu_matmul, cpu_attention, cpu_alloc, cpu_row_sum)}
 print(json.dumps({
     "files": [m.__file__ for m in (jaxinfer, pallas_kernels, serving)],
     "kernel_sources": str(cpu_build.PACKAGE_DIR),
@@ -102,7 +103,7 @@ def test_wheel_installs_outside_the_tree_and_builds_every_kernel(tmp_path):
     for name, (ok, reason) in res["available"].items():
         assert ok, f"{name} did not build from the wheel: {reason}"
     assert sorted(n.split("-")[0] for n in res["built"]) == ["f32_matmul", "int8_matmul", "paged_attention",
-                                                              "uninitialized"]
+                                                              "row_sum", "uninitialized"]
     assert (res["attention"], res["matmul_f32"], res["matmul_int8"], res["row_sum"]) == \
         ("cpp", "cpp-f32", "cpp-int8", "cpp")
     assert "unavailable" not in proc.stderr, proc.stderr[-2000:]

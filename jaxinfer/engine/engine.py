@@ -68,7 +68,7 @@ class Engine:
                 config = self.config = dataclasses.replace(config, tensor_parallel_size=1)
                 log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
         meshes = R.replica_meshes(config)
-        R.start_background_work()
+        R.start_background_work(config.quantization)
         sampler_vocab, samplers = self._samplers_first(model, loaded, meshes)
         float_target = None
         if config.speculative_method == "self":      # its draft is made from the float weights

@@ -209,17 +209,22 @@ def kv_budget(config: EngineConfig, need: int | None = None) -> int:
     return budget
 
 
-def start_background_work() -> None:
+def start_background_work(quantization: str | None = None) -> None:
     """Work a start needs later, begun now on the idle core while the sampler compiles: the
-    C++ kernels (on CPU, pallas_kernels/cpu_build.py) and transformers' import (the
-    tokenizer's; ~1 s of every start, cold or warm)."""
+    C++ kernels (on CPU, pallas_kernels/cpu_build.py; the matmul kernel that the load of
+    ``quantization``'s weights waits for first) and transformers' import (the tokenizer's;
+    ~1 s of every start, cold or warm)."""
     import jax
 
     from jaxinfer.loading.tokenizer import import_transformers_in_background
 
     if jax.default_backend() == "cpu":
         from pallas_kernels import cpu_build
-        cpu_build.build_all_in_background()
+        f32, int8 = "f32_matmul/f32_matmul.cc", "quantized_matmul/int8_matmul.cc"
+        # the load lays weights out for the matmuls (int8: quantized, then the float ones);
+        # the first step compiles need the attention and the KV pool's allocator
+        matmuls = (int8, f32) if quantization == "int8" else (f32,)
+        cpu_build.build_all_in_background(first=(*matmuls, "attention/paged_attention.cc", "alloc/uninitialized.cc"))
     import_transformers_in_background()
 
 

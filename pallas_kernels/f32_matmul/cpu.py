@@ -30,8 +30,6 @@ from pallas_kernels.layer_stack import Stacked, first_layer, layer_weights, memb
 TARGET = "jaxinfer_f32_matmul"
 TARGET_PANELS = "jaxinfer_f32_matmul_panels"
 TARGET_LAYER = "jaxinfer_f32_matmul_layer"
-TARGET_ROW_SUM = "jaxinfer_row_sum"
-TARGET_ROW_SUM_SQUARES = "jaxinfer_row_sum_squares"
 TARGET_CODES = "jaxinfer_f32_matmul_codes"
 TARGET_DEQUANT = "jaxinfer_codes_dequant"
 TARGET_CODES_ROWS = "jaxinfer_codes_rows"
@@ -39,8 +37,6 @@ TARGET_ENCODE = "jaxinfer_codes_encode"
 _KERNEL = cpu_build.Kernel("f32_matmul/f32_matmul.cc", {TARGET: "JaxinferF32Matmul",
                                              TARGET_PANELS: "JaxinferF32MatmulPanels",
                                              TARGET_LAYER: "JaxinferF32MatmulLayer",
-                                             TARGET_ROW_SUM: "JaxinferRowSum",
-                                             TARGET_ROW_SUM_SQUARES: "JaxinferRowSumSquares",
                                              TARGET_CODES: "JaxinferF32MatmulCodes",
                                              TARGET_DEQUANT: "JaxinferCodesDequant",
                                              TARGET_CODES_ROWS: "JaxinferCodesRows",
@@ -207,18 +203,6 @@ def f32_matmul_layer(x: jax.Array, ws: Sequence[jax.Array | PanelledF32 | CodedF
         return jax.ffi.ffi_call(TARGET_LAYER, out)(
             x, idx, *[w.codes for w in items], *[w.scale for w in items], *[w.offset for w in items])
     return jax.ffi.ffi_call(TARGET_LAYER, out)(x, idx, *[w.panels if kind is PanelledF32 else w for w in items])
-
-
-def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:
-    """f32 [..., N] -> [...]: jaxinfer/reductions.row_sum's fixed pairwise fold as one
-    custom call (the same bits); ``squares``: of x * x, each square rounded (no FMA), without
-    materializing x * x. Call ``available()`` first: it registers the kernel. Leading
-    dimensions are rows, so a vmapped call just has more of them."""
-    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 1:
-        raise ValueError(f"row_sum: expected float32 [..., N >= 1], got {x.dtype} {x.shape}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
-    target = TARGET_ROW_SUM_SQUARES if squares else TARGET_ROW_SUM
-    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(x)
 
 
 def f32_matmul_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:

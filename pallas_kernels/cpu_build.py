@@ -38,9 +38,10 @@ FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-std=c++17", "-shared", "-fPIC
 PACKAGE_DIR = Path(__file__).parent        # each op's folder holds its .cc; shared headers here
 # Built first, at normal priority: the sampler, the first thing a start compiles, calls it.
 ROW_SUM = "row_sum/row_sum.cc"
-# A caller that has waited this long for a low-priority background build builds it itself
-# (on an idle 2-core machine the slowest background build is done in ~14 s).
-STARVED_AFTER_S = 20.0
+# A caller that has waited this long for a low-priority background build builds it itself:
+# waiting leaves its core to the build, and the largest takes ~8 CPU-s (Zen 3), so on a
+# machine with nothing else to run it is done by then.
+STARVED_AFTER_S = 10.0
 
 
 def _cpu_flags() -> str:
@@ -97,29 +98,33 @@ _pending: dict[Path, concurrent.futures.Future] = {}
 _pending_lock = threading.Lock()
 
 
-def build_all_in_background(first: Sequence[str] = ()) -> None:
+def build_all_in_background(first: Sequence[str] = (), low_priority: bool = False) -> None:
     """Start compiling every kernel here (<op>/*.cc) in threads: a first start then builds
     them while it compiles the sampler and loads the model, instead of one after another as
     each is first used (each takes seconds). ``build`` waits for them. The row sums at
-    once, at normal priority (the sampler, compiled at once, waits for them); the rest at
-    the lowest priority (``_build``), on all cores but one (left to the main thread's
-    compile, then its load), ``first`` first (sources by their path here, in the order the
-    caller will need them: the load lays weights out for a matmul kernel), then largest
-    first. Why not all side by side: two low-priority builds shared the CPU that the
-    sampler's compile left over, and the matmul kernel that the load waits for finished
-    later (2-core Zen 3: ~3 s of the load's wait)."""
+    once (the sampler, compiled first, waits for them), then ``first`` (sources by their
+    path here, in the order the caller will need them: the load lays weights out for a
+    matmul kernel), then the rest, largest first, one compiler per core.
+
+    ``low_priority`` (an engine's start): all but the row sums at the lowest priority
+    (``_build``) on all cores but one (left to the start's own compile, then its load).
+    Why not side by side at normal priority: the builds slowed the sampler's compile by
+    half, and then the single-threaded load left a core idle; two low-priority builds
+    shared what the compile left over, so the matmul kernel the load waits for came ~3 s
+    later (2-core Zen 3, benchmarks/RESULTS.md "Kernel builds behind the sampler")."""
     with _pending_lock:
         todo = [s for s in PACKAGE_DIR.glob("*/*.cc") if s not in _pending]
         if not todo:
             return
         rank = {name: i for i, name in enumerate(first)}
         todo.sort(key=lambda s: (rank.get(_name(s), len(rank)), -s.stat().st_size))
-        rest = concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1),
+        cores = os.cpu_count() or 1
+        rest = concurrent.futures.ThreadPoolExecutor(max(1, cores - 1) if low_priority else cores,
                                                      thread_name_prefix="jaxinfer-kernel-build")
         now = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-kernel-build")
         for src in todo:
             row_sum = _name(src) == ROW_SUM
-            _pending[src] = (now if row_sum else rest).submit(_build, src, background=not row_sum)
+            _pending[src] = (now if row_sum else rest).submit(_build, src, background=low_priority and not row_sum)
         for pool in (now, rest):
             pool.shutdown(wait=False)
 

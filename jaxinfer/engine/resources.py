@@ -224,7 +224,8 @@ def start_background_work(quantization: str | None = None) -> None:
         # the load lays weights out for the matmuls (int8: quantized, then the float ones);
         # the first step compiles need the attention and the KV pool's allocator
         matmuls = (int8, f32) if quantization == "int8" else (f32,)
-        cpu_build.build_all_in_background(first=(*matmuls, "attention/paged_attention.cc", "alloc/uninitialized.cc"))
+        cpu_build.build_all_in_background(first=(*matmuls, "attention/paged_attention.cc", "alloc/uninitialized.cc"),
+                                          low_priority=True)
     import_transformers_in_background()
 
 

@@ -62,6 +62,14 @@ def pytest_configure(config):
     from jaxinfer.engine.warmup import use_default_mode
 
     use_default_mode("full")
+    # Each test process builds the C++ kernels now, at its own priority: an Engine() would
+    # build them at the lowest (cpu_build.build_all_in_background's low_priority, a start's
+    # overlap with its load), which the other xdist worker's work starves until the waiting
+    # engine gives up and rebuilds them (cpu_build.STARVED_AFTER_S).
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        from pallas_kernels import cpu_build
+
+        cpu_build.build_all_in_background()
 
 
 def pytest_unconfigure(config):

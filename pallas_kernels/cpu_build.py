@@ -150,13 +150,8 @@ def build(source: Path) -> Path:
 
 
 def _build(source: Path, background: bool = False) -> Path:
-    """``background``: compile at the lowest CPU priority (``nice``), so the build takes
-    only CPU that nothing else wants. Why: a first start compiles the sampler on both cores
-    while the kernels build (~17 CPU-s of g++ on Zen 3), then loads the model on one core;
-    at equal priority the builds slowed the sampler's compile, and the load left a core
-    idle. At low priority they run in the load's idle core instead (benchmarks/RESULTS.md,
-    "Kernel builds behind the sampler"). On a machine busy with other work such a build
-    may barely run: ``build`` then builds it again at normal priority."""
+    """``background``: at the lowest CPU priority (``nice -n 19``; why: an engine's start,
+    build_all_in_background); ``build`` rebuilds at normal priority if one is starved."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")

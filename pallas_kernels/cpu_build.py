@@ -112,8 +112,12 @@ def build_all_in_background(first: Sequence[str] = (), low_priority: bool = Fals
     half, and then the single-threaded load left a core idle; two low-priority builds
     shared what the compile left over, so the matmul kernel the load waits for came ~3 s
     later (2-core Zen 3, benchmarks/RESULTS.md "Kernel builds behind the sampler")."""
+    sources = sorted(PACKAGE_DIR.glob("*/*.cc"))
+    unknown = {ROW_SUM, *first} - {_name(s) for s in sources}
+    if unknown:       # a renamed kernel would otherwise just lose its place in the order
+        raise ValueError(f"build_all_in_background: no kernel source {sorted(unknown)} in {PACKAGE_DIR}")
     with _pending_lock:
-        todo = [s for s in PACKAGE_DIR.glob("*/*.cc") if s not in _pending]
+        todo = [s for s in sources if s not in _pending]
         if not todo:
             return
         rank = {name: i for i, name in enumerate(first)}

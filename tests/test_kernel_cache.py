@@ -15,14 +15,14 @@ import pytest
 
 from pallas_kernels import cpu_build
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="no C++ compiler")
-
 SOURCE = 'extern "C" int jaxinfer_probe() { return 42; }\n'
 
 
 @pytest.fixture
 def probe(tmp_path, monkeypatch):
+    """A real kernel source to build (the tests below that use a fake compiler need none)."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler")
     src_dir = tmp_path / "src"
     src_dir.mkdir()
     src = src_dir / "probe.cc"
@@ -140,3 +140,12 @@ def test_a_starved_background_build_is_built_again_at_our_priority(tmp_path, mon
     assert cpu_build.build(src).exists()
     assert time.monotonic() - t0 < 4
     assert "starved" in caplog.text
+
+
+def test_an_unknown_source_in_the_order_is_refused(monkeypatch):
+    """A kernel renamed without its caller's order updated is an error, not a silent loss
+    of the start's build order."""
+    monkeypatch.setattr(cpu_build, "_pending", {})
+    with pytest.raises(ValueError, match="no kernel source"):
+        cpu_build.build_all_in_background(first=("f32_matmul/renamed.cc",))
+    assert cpu_build._pending == {}

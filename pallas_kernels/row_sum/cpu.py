@@ -15,7 +15,7 @@ from pallas_kernels import cpu_build
 
 TARGET = "jaxinfer_row_sum"
 TARGET_SQUARES = "jaxinfer_row_sum_squares"
-_KERNEL = cpu_build.Kernel("row_sum/row_sum.cc", {TARGET: "JaxinferRowSum", TARGET_SQUARES: "JaxinferRowSumSquares"},
+_KERNEL = cpu_build.Kernel(cpu_build.ROW_SUM, {TARGET: "JaxinferRowSum", TARGET_SQUARES: "JaxinferRowSumSquares"},
                            "row sum")
 available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_reason, _KERNEL.build
 

@@ -63,12 +63,14 @@ def method_options(method: str, quant: str | None, k: int, draft_model: str | No
                    draft_layers: int | None = None) -> dict:
     """EngineConfig fields of one speculative method for a target quantized as ``quant``:
     "self" drafts with int8 weights for a float target, int4 for an int8 one, or (with
-    ``draft_layers``) with the target's first layers in int8."""
+    ``draft_layers``) with the target's first layers in int8; "self:int4" (any
+    "self:<speculative_quantization>") names the draft's weights."""
+    method, _, draft_quant = method.partition(":")
     spec = dict(speculative_method=method, num_speculative_tokens=k)
     if method == "self" and draft_layers:
-        spec.update(speculative_quantization="int8", speculative_draft_layers=draft_layers)
+        spec.update(speculative_quantization=draft_quant or "int8", speculative_draft_layers=draft_layers)
     elif method == "self":
-        spec["speculative_quantization"] = "int4" if quant == "int8" else "int8"
+        spec["speculative_quantization"] = draft_quant or ("int4" if quant == "int8" else "int8")
     if method == "draft":
         spec["speculative_model"] = draft_model
     return spec
@@ -194,7 +196,7 @@ def main() -> None:
     p.add_argument("--quantization", default="none,int8", help="comma-separated: none, int8")
     p.add_argument("--methods", default="ngram,self",
                    help="comma-separated speculative methods to compare with plain decoding: ngram, self, "
-                        "draft (needs --draft-model)")
+                        "self:int4 / self:int8 (the draft's weights), draft (needs --draft-model)")
     p.add_argument("--draft-model", default=None, help="the draft model of --methods draft")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="--methods self: draft with the target's first N layers in int8")

@@ -43,6 +43,9 @@ def quantized_matmul(x: jax.Array, w, invariant: bool) -> jax.Array:
     int8 on CPU with the C++ kernel built -> pallas_kernels/quantized_matmul/cpu.py (packed or plain
     layout; batch-invariant by construction); otherwise XLA (``invariant``: the converted
     weight through ``tiled_matmul``); GPU comes here too. The TPU kernel is chosen by ``select``."""
+    if w.offsets is not None:     # 4-bit panels: made only where the CPU kernel is (quantize_model)
+        from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+        return cpu_matmul.int4_matmul(x, w)
     if w.bits == 8 and jax.default_backend() == "cpu":
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         if cpu_matmul.available():
@@ -100,7 +103,7 @@ def can_index(w) -> bool:
     """Whether a weight has a kernel that reads it out of every layer's by a traced index
     (the layer loop, models/layer_loop.py): float32 or int8 on CPU with the C++ kernels."""
     if is_quantized(w):
-        if w.bits != 8 or jax.default_backend() != "cpu":
+        if (w.bits != 8 and w.offsets is None) or jax.default_backend() != "cpu":
             return False
         from pallas_kernels.quantized_matmul import cpu as cpu_matmul
         return cpu_matmul.available()
@@ -200,6 +203,15 @@ def name(quantization: str | None, dtype: Any, backend: str | None = None) -> st
         from pallas_kernels.f32_matmul import cpu as cpu_f32_matmul
         return "cpp-f32" if cpu_f32_matmul.available() else "xla"
     return "xla"
+
+
+def int4_kernel_applies(w: jax.Array) -> bool:
+    """Whether a float [K, N] weight can take the CPU kernel's 4-bit panels (CPU backend,
+    the kernel built, K and N multiples of 32)."""
+    if jax.default_backend() != "cpu" or len(w.shape) != 2:
+        return False
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+    return cpu_matmul.int4_applies(*w.shape) and cpu_matmul.available()
 
 
 def pack_for_backend(w, backend: str | None = None):

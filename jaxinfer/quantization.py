@@ -50,31 +50,45 @@ def check_mode(mode: str | None) -> int | None:
     return MODES[mode]
 
 
-def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) -> nnx.Module:
+def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False,
+                   int4_panels: bool = False) -> nnx.Module:
     """A module whose matmul weights are quantized: a new one sharing the given one's other
     weights, or (``in_place``) the given one, each float weight freed as soon as its
-    quantized form exists (a load then never holds two copies of the weights)."""
+    quantized form exists (a load then never holds two copies of the weights).
+    ``int4_panels`` (int4 on CPU, a speculative draft's): weights the CPU kernel's 4-bit
+    panels fit take that form (affine per 32 rows, int8 activations; see
+    pallas_kernels/quantized_matmul/cpu.quantize_int4), the rest the symmetric int4."""
     bits = check_mode(mode)
     if bits is None:
         return model
     if not getattr(type(model), "quantization", True):
         raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
                          "(mixture-of-experts weights are not quantized yet); run it unquantized")
-    quantized = _weight_quantizer(model.cfg, bits)
+    quantized = _weight_quantizer(model.cfg, bits, int4_panels)
+    # a draft's LM head stays int8 (4 bits would lose most of a Q8_0 table's precision
+    # for ~a fifth of the bytes: acceptance fell 94% -> 79% with it, RESULTS.md)
+    head = _weight_quantizer(model.cfg, 8) if int4_panels and bits == 4 else quantized
     model = model if in_place else _shallow_copy(model)
+    heads = {id(v) for v in _matmul_params(model, ("lm_head",))}
     for param in _matmul_params(model, MATMUL_WEIGHTS):
         if not hasattr(param.get_value(), "scales"):      # weight_finisher may have done it
-            param.set_value(quantized(param.get_value()))
+            param.set_value((head if id(param) in heads else quantized)(param.get_value()))
     return fuse_projections(model)
 
 
-def _weight_quantizer(cfg: Any, bits: int) -> Callable[[jax.Array], Any]:
+def _weight_quantizer(cfg: Any, bits: int, int4_panels: bool = False) -> Callable[[jax.Array], Any]:
     """One float matmul weight -> its quantized form, laid out for this backend's kernel
     (the one rule quantize_model and weight_finisher share)."""
-    from jaxinfer.matmul import pack_for_backend
+    from jaxinfer.matmul import int4_kernel_applies, pack_for_backend
 
     group = (int4_group(cfg) if bits == 4 else 0) or 128
-    return lambda w: pack_for_backend(_quantize(w, bits, group))
+
+    def quantized(w: jax.Array) -> Any:
+        if bits == 4 and int4_panels and int4_kernel_applies(w):
+            from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+            return cpu_matmul.quantize_int4(w)
+        return pack_for_backend(_quantize(w, bits, group))
+    return quantized
 
 
 def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[[str, jax.Array], Any] | None:
@@ -186,10 +200,11 @@ def fuse_projections(model: nnx.Module, layout: Any = None) -> nnx.Module:
             if not all(hasattr(layer, p) for p in parts):    # e.g. a plain (ungated) MLP
                 continue
             ws = [getattr(layer, p)[...] for p in parts]
-            if all(getattr(w, "panel", 0) for w in ws):
-                q = jnp.concatenate([w.q for w in ws], axis=0)              # panels: [N/32, K/2, 32, 2]
-                scales = jnp.concatenate([w.scales for w in ws], axis=0)    # [N]
-                value = QuantizedWeight(q, scales, 8, 0, ws[0].panel)
+            if all(getattr(w, "panel", 0) for w in ws) and len({w.bits for w in ws}) == 1:
+                # every array's leading axis is the column panels (int8 scales: [N])
+                cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
+                value = dataclasses.replace(ws[0], q=cat("q"), scales=cat("scales"),
+                                            offsets=cat("offsets") if ws[0].offsets is not None else None)
             elif all(isinstance(w, panelled) for w in ws):                 # a float32 load's (_float_finisher)
                 value = _join_panelled(ws)
             elif all(_f32_kernel_weight(w) for w in ws):

@@ -32,13 +32,15 @@ enum class DataType : int {
   S8 = XLA_FFI_DataType_S8,
   S32 = XLA_FFI_DataType_S32,
   F32 = XLA_FFI_DataType_F32,
+  F16 = XLA_FFI_DataType_F16,
 };
-constexpr DataType S8 = DataType::S8, S32 = DataType::S32, F32 = DataType::F32;
+constexpr DataType S8 = DataType::S8, S32 = DataType::S32, F32 = DataType::F32, F16 = DataType::F16;
 
 template <DataType> struct Native;
 template <> struct Native<DataType::S8> { using type = int8_t; };
 template <> struct Native<DataType::S32> { using type = int32_t; };
 template <> struct Native<DataType::F32> { using type = float; };
+template <> struct Native<DataType::F16> { using type = uint16_t; };   // IEEE half bits
 
 // A buffer's dimensions: a read-only view of XLA's int64 array.
 class Dims {
@@ -95,6 +97,7 @@ class ResultBuffer {
 inline size_t element_bytes(XLA_FFI_DataType t) {
   switch (t) {
     case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8: case XLA_FFI_DataType_PRED: return 1;
+    case XLA_FFI_DataType_F16: return 2;
     case XLA_FFI_DataType_S32: case XLA_FFI_DataType_F32: return 4;
     default: return 0;
   }

@@ -269,7 +269,7 @@ def _stacked_equals_per_layer(layer_fn, x, ws, L):
     for i in range(L):                       # the loop's order of float32 sums
         want = want + np.asarray(layer_fn(x, ws, jnp.int32(i)))
     np.testing.assert_array_equal(np.asarray(compiled(x, st)), want)
-    hlo = {"float32": "f32", "int8": "s8"}
+    hlo = {"float32": "f32", "int8": "s8", "float16": "f16"}
     stacks = {f"{hlo[str(a.dtype)]}[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(st)}
     assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and any(t in ln for t in stacks)]
     with pytest.raises(Exception, match="out of range"):

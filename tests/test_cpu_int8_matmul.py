@@ -216,3 +216,55 @@ def test_layer_indexed_matmul_in_a_loop_copies_no_weight(K, N):
     from test_cpu_f32_matmul import _stacked_equals_per_layer
 
     _stacked_equals_per_layer(C.int8_matmul_layer, x, ws, L)
+
+
+def _q4_1_weight(K: int, N: int, seed: int = 0) -> jax.Array:
+    """A float weight that is exactly a GGUF Q4_1 checkpoint's: per 32 rows of a column,
+    d * code + m with d, m float16 and codes 0..15 (each block holding a 0 and a 15)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (K, N)).astype(np.float32)
+    codes[::32], codes[1::32] = 0, 15
+    d = np.repeat((0.01 * rng.random((K // 32, N)) + 1e-3).astype(np.float16).astype(np.float32), 32, 0)
+    m = np.repeat((-0.05 * rng.random((K // 32, N))).astype(np.float16).astype(np.float32), 32, 0)
+    return jnp.asarray((codes * d + m).astype(np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 192), (64, 96)])
+def test_int4_panels_match_reference_and_are_batch_invariant(K, N):
+    """The 4-bit panels (quantize_int4 + int4_matmul, a speculative draft's weights): a Q4_1
+    checkpoint's floats come back exactly (its own codes), the product is within int8
+    activation rounding of x @ the dequantized weight, each row's bits do not depend on the
+    other rows, and the layer form gives each layer's bits."""
+    assert C.available()
+    w = _q4_1_weight(K, N)
+    w4 = C.quantize_int4(w)
+    assert (w4.bits, w4.panel, w4.shape, w4.scales.dtype) == (4, 32, (K, N), jnp.float16)
+    np.testing.assert_array_equal(np.asarray(C.dequantize_int4(w4)), np.asarray(w))
+    # any float weight: within half a step (scale / 2) of the codes' grid
+    f = jnp.asarray(np.random.default_rng(5).standard_normal((K, N)), jnp.float32)
+    f4 = C.quantize_int4(f)
+    step = np.repeat(np.asarray(f4.scales, np.float32).transpose(1, 0, 2).reshape(K // 32, N), 32, 0)
+    assert (np.abs(np.asarray(C.dequantize_int4(f4)) - np.asarray(f)) <= 0.51 * step + 1e-3).all()
+    for M in (1, 2, 4, 7):
+        x = _x(M, K, seed=M)
+        want = np.asarray(x @ C.dequantize_int4(w4))
+        got = np.asarray(C.int4_matmul(x, w4))
+        # int8 activations per 32: each term off by <= |w| * max|x| / 254
+        tol = K ** 0.5 * float(np.abs(np.asarray(w)).max()) * float(np.abs(np.asarray(x)).max()) / 254 * 3
+        assert np.abs(got - want).max() <= tol, (M, np.abs(got - want).max(), tol)
+        alone = np.concatenate([np.asarray(C.int4_matmul(x[i:i + 1], w4)) for i in range(M)])
+        np.testing.assert_array_equal(alone, got)
+    ws = [w4, C.quantize_int4(_q4_1_weight(K, N, seed=2))]
+    x = _x(3, K)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(C.int8_matmul_layer(x, ws, jnp.int32(i))),
+                                      np.asarray(C.int4_matmul(x, ws[i])), err_msg=f"layer {i}")
+    from test_cpu_f32_matmul import _stacked_equals_per_layer
+
+    _stacked_equals_per_layer(C.int8_matmul_layer, x, ws, 2)
+    with pytest.raises(ValueError, match=r"x: expected \[M, K=%d\]" % K):
+        C.int4_matmul(jnp.zeros((2, K + 32)), w4)
+    with pytest.raises(ValueError, match="every one a 4-bit"):
+        C.int8_matmul_layer(x, [w4, C.pack(_weight(K, N))], jnp.int32(0))
+    assert C.int4_applies(K, N) and not C.int4_applies(48, N) and not C.int4_applies(K, 37)

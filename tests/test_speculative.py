@@ -197,6 +197,31 @@ def test_greedy_identical_alone_and_batched(plain, spec):
     _no_leak(spec)
 
 
+def test_self_int4_draft_on_the_cpu_kernel(tiny, plain):
+    """'self' with speculative_quantization='int4' on CPU: every layer's weights become the
+    C++ kernel's 4-bit panels (float16 scales and offsets), the LM head int8; greedy
+    output is the plain engine's, alone and batched, with drafts accepted; nothing
+    compiles after warm-up; no page leaks."""
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+
+    if not cpu_matmul.available():
+        pytest.skip(f"the CPU int8/int4 kernel is not built here: {cpu_matmul.unavailable_reason()}")
+    eng = Engine(loaded=tiny, **KW, speculative_method="self", speculative_quantization="int4", **COMMON)
+    draft = eng.speculator.proposer.runner
+    kinds = {(leaf.dtype.name, leaf.ndim) for leaf in draft.state_leaves}
+    assert ("float16", 3) in kinds or ("float16", 4) in kinds, kinds       # the panels' scales
+    prompts = _prompts(4)
+    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain.generate(prompts, ps)
+    _same(want[:1], eng.generate(prompts[:1], ps), "alone")
+    outs, compiles = run_with_arrivals(eng, prompts, [ps] * len(prompts), np.random.RandomState(1), "i4", 2)
+    assert compiles == 0
+    _same(want, [outs[f"i4{i}"] for i in range(len(prompts))], "batched")
+    st = eng.stats()
+    assert st["spec_decode_num_accepted_tokens"] > 40, st
+    _no_leak(eng)
+
+
 def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatch):
     """'self' keeps no KV pool of its own: its multi-step decode runs on the target's pages
     (spec_draft.own_pool: it never allocates one), so it never catches up on a prompt and compiles no

@@ -109,12 +109,10 @@ def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any,
         loaded = load_model(config.speculative_model, config.dtype)
         check_draft(loaded.config, loaded.tokenizer, target.cfg, target_tokenizer, max_model_len)
         model = fit_context(loaded.model, max_model_len)
-    if q == "int4" and jax.default_backend() == "cpu":
-        # int4 has no C++ kernel: XLA's convert-then-dot runs ~10x slower than the int8
-        # kernel here, so every draft token costs more than a target step (RESULTS.md)
-        log.warning("speculative_quantization='int4' on CPU: the int4 draft is slower than an int8 "
-                    "target step (expect a slowdown); use int8 with speculative_draft_layers instead")
-    model = quantize_model(model, q)
+    # int4 on CPU: the C++ kernel's 4-bit panels (affine per 32 rows: a Q4_1 checkpoint's
+    # own codes, so the draft proposes what the target would; int8 activations, which a
+    # draft may round). Weights they do not fit keep the symmetric int4 (XLA's slow path).
+    model = quantize_model(model, q, int4_panels=True)
     return model if q else prepare_float_for_cpu(model)
 
 

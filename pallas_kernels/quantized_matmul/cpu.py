@@ -28,8 +28,12 @@ from pallas_kernels.quantized_matmul.xla import QuantizedWeight
 
 TARGET = "jaxinfer_int8_matmul"
 TARGET_LAYER = "jaxinfer_int8_matmul_layer"
+TARGET_INT4 = "jaxinfer_int4_matmul"
+TARGET_INT4_LAYER = "jaxinfer_int4_matmul_layer"
 _KERNEL = cpu_build.Kernel("quantized_matmul/int8_matmul.cc", {TARGET: "JaxinferInt8Matmul",
-                                                               TARGET_LAYER: "JaxinferInt8MatmulLayer"},
+                                                               TARGET_LAYER: "JaxinferInt8MatmulLayer",
+                                                               TARGET_INT4: "JaxinferInt4Matmul",
+                                                               TARGET_INT4_LAYER: "JaxinferInt4MatmulLayer"},
                            "int8 matmul")
 
 
@@ -39,6 +43,7 @@ available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_re
 
 PANEL = 32   # columns per panel of the packed layout
 BLOCK = 64   # K per activation scale in the packed path (K must be a multiple)
+GROUP4 = 32  # 4-bit: K per scale and offset
 
 
 def pack(w: QuantizedWeight) -> QuantizedWeight:
@@ -53,6 +58,56 @@ def pack(w: QuantizedWeight) -> QuantizedWeight:
         return w
     q = w.q.reshape(K // 2, 2, N // PANEL, PANEL).transpose(2, 0, 3, 1)
     return QuantizedWeight(q, w.scales, 8, 0, PANEL)
+
+
+def int4_applies(K: int, N: int) -> bool:
+    """Whether a [K, N] weight fits the 4-bit panels (K and N multiples of 32)."""
+    return K % GROUP4 == 0 and N % PANEL == 0
+
+
+@jax.jit
+def quantize_int4(w: jax.Array) -> QuantizedWeight:
+    """w f32 [K, N] -> the kernel's 4-bit weight: per 32 rows of a column, offset = the
+    minimum, scale = (max - min) / 15, codes round((w - offset) / scale) in 0..15 (the GGUF
+    Q4_1 scheme, so a Q4_1 checkpoint's weights get back their own codes), laid out as
+    int8_matmul.cc's "4-bit panels" say. ``int4_applies`` first."""
+    K, N = w.shape
+    g = w.astype(jnp.float32).reshape(K // GROUP4, GROUP4, N)
+    # offset and scale in float16, as Q4_1 keeps them (a quarter of the bytes), the codes
+    # found against those rounded values
+    lo = g.min(axis=1).astype(jnp.float16)                                 # [K/32, N]
+    scale = jnp.where(g.max(axis=1) > lo, (g.max(axis=1) - lo) / 15, 1.0).astype(jnp.float16)
+    scale = jnp.where(scale > 0, scale, jnp.float16(1))
+    lo, scale = lo.astype(jnp.float32), scale.astype(jnp.float32)
+    codes = jnp.clip(jnp.round((g - lo[:, None]) / scale[:, None]), 0, 15).astype(jnp.uint8)
+    # (quad t, row kk, panel, h, nibble, column cc) -> [panel, t, h, nibble, byte 4 cc + kk]
+    e = codes.reshape(K // 4, 4, N // PANEL, 2, 2, 8).transpose(2, 0, 3, 4, 5, 1)
+    e = e.reshape(N // PANEL, K // 4, 2, 2, PANEL)
+    q = (e[:, :, :, 0] | (e[:, :, :, 1] << 4)).view(jnp.int8)               # [N/32, K/4, 2, 32]
+    panels = lambda a: a.astype(jnp.float16).reshape(K // GROUP4, N // PANEL, PANEL).transpose(1, 0, 2)
+    return QuantizedWeight(q, panels(scale), 4, GROUP4, PANEL, panels(lo))        # f16 [N/32, K/32, 32]
+
+
+def dequantize_int4(w: QuantizedWeight) -> jax.Array:
+    """A ``quantize_int4`` weight -> f32 [K, N] (code * scale + offset): the reference."""
+    K, N = w.shape
+    b = w.q.view(jnp.uint8)
+    e = jnp.stack([b & 0xF, b >> 4], axis=3).reshape(N // PANEL, K // 4, 2, 2, 8, 4)
+    codes = e.transpose(1, 5, 0, 2, 3, 4).reshape(K, N).astype(jnp.float32)
+    rows = lambda a: jnp.repeat(a.astype(jnp.float32).transpose(1, 0, 2).reshape(K // GROUP4, N), GROUP4, axis=0)
+    return codes * rows(w.scales) + rows(w.offsets)
+
+
+@functools.partial(jax.jit, inline=True)
+def int4_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [M, K] @ a ``quantize_int4`` weight -> [M, N] in x's dtype (int8 activations per
+    group of 32, exact int32 sums per group). Call ``available()`` first."""
+    K, N = w.shape
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
+    y = jax.ffi.ffi_call(TARGET_INT4, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
+        x.astype(jnp.float32), w.q, w.scales, w.offsets)
+    return y.astype(x.dtype)
 
 
 @functools.partial(jax.jit, inline=True)
@@ -76,13 +131,19 @@ def int8_matmul_layer(x: jax.Array, ws: Sequence[QuantizedWeight] | Stacked, lay
     index picks one by pointer, so inside lax.fori_loop nothing is sliced or copied
     (benchmarks/layer_loop_probe.py). Call ``available()`` first."""
     items, w0 = members(ws), first_layer(ws)
-    if not items or any(not isinstance(w, QuantizedWeight) or w.bits != 8 or w.q.shape != w0.q.shape
-                        for w in layer_weights(ws)):
-        raise ValueError("int8_matmul_layer: every weight must be an int8 QuantizedWeight of one shape and layout")
+    if not items or any(not isinstance(w, QuantizedWeight) or w.bits != w0.bits or w.bits not in (4, 8)
+                        or w.q.shape != w0.q.shape for w in layer_weights(ws)):
+        raise ValueError("int8_matmul_layer: every weight must be an int8 (or every one a 4-bit) "
+                         "QuantizedWeight of one shape and layout")
     K, N = w0.shape
     if x.ndim != 2 or x.shape[1] != K:
         raise ValueError(f"x: expected [M, K={K}], got shape {x.shape}")
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    y = jax.ffi.ffi_call(TARGET_LAYER, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(
-        x.astype(jnp.float32), idx, *[w.q for w in items], *[w.scales.astype(jnp.float32) for w in items])
+    out = jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32)
+    if w0.bits == 4:
+        y = jax.ffi.ffi_call(TARGET_INT4_LAYER, out)(x.astype(jnp.float32), idx, *[w.q for w in items],
+                                                     *[w.scales for w in items], *[w.offsets for w in items])
+    else:
+        y = jax.ffi.ffi_call(TARGET_LAYER, out)(x.astype(jnp.float32), idx, *[w.q for w in items],
+                                                *[w.scales.astype(jnp.float32) for w in items])
     return y.astype(x.dtype)

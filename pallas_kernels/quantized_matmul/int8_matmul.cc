@@ -157,6 +157,115 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs)
 }
 
 // ---------------------------------------------------------------------------------------
+// 4-bit panels, int8 activations (the GGUF Q4_1 scheme: w = scale * code + offset)
+// ---------------------------------------------------------------------------------------
+//
+// q uint8 [N/32, K/4, 2, 32]: a panel's rows 4t .. 4t+3 as two 32-byte vectors h; byte i of
+// vector h holds, for row 4t + i%4, column 16h + i/4 in its low nibble and 16h + 8 + i/4 in
+// its high one. Codes 0..15 (unsigned); scale and offset f16 [N/32, K/32, 32] (per 32 rows
+// of a column; float16, as Q4_1 stores them). x is quantized per row and per group of 32 to int8 (scale max|x| / 127).
+// A masked vector is 8 columns x 4 rows, so vpmaddubsw (codes x int8 activations, the 4
+// rows of a column in adjacent byte pairs) sums each column's rows in int16 lanes (at most
+// 8 quads x 2 x 15 x 127 = 30480 per group: no saturation) and one vpmaddwd by ones per
+// group gives the column's exact int32 sum S; with X = sum of the group's int8 activations,
+//   y += xs * (scale * S + offset * X)
+// in group order: an output depends on its own row only (batch-invariant by construction).
+// Why: half the int8 kernel's bytes a weight and about half its instructions (int8
+// activations cost ~0.4% of each group's max: for a speculative draft, which only
+// proposes, nothing; engine/spec_draft.py), and a Q4_1 checkpoint's own codes.
+
+constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset / activation scale
+
+struct Packed4 {
+  const int8_t* xq;     // [M, K] int8
+  const float* xs;      // [M, K / kGroup4] activation scales
+  const int32_t* xsum;  // [M, K / kGroup4]: sum of xq over each group
+  const uint8_t* q;     // [N/32, K/4, 2, 32]
+  const uint16_t* scale;   // f16 [N/32, K/32, 32]
+  const uint16_t* offset;  // f16 [N/32, K/32, 32]
+  float* y;                // [M, N]
+  int64_t M, K, N;
+};
+
+inline __m256 load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int R>
+void packed4_tile(const Packed4& p, int64_t m0, int64_t panel) {
+  const int64_t ng = p.K / kGroup4;
+  const uint8_t* w = p.q + panel * (p.K / 2) * kPanel;
+  const uint16_t* sc = p.scale + panel * ng * kPanel;
+  const uint16_t* of = p.offset + panel * ng * kPanel;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 facc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) facc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * (kGroup4 / 2) * kPanel;
+#pragma GCC unroll 2
+    for (int t = 0; t < kGroup4 / 4; ++t) {
+      const uint8_t* wt = wg + t * 2 * kPanel;           // 64 bytes: 32 columns x 4 rows
+      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wt + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + kPanel));
+      const __m256i wc[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                             _mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, p.xq + (m0 + r) * p.K + g * kGroup4 + 4 * t, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wc[c], xb));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(p.xs[(m0 + r) * ng + g]);
+      const __m256 x0 = _mm256_set1_ps(static_cast<float>(p.xsum[(m0 + r) * ng + g]));
+      for (int c = 0; c < 4; ++c) {
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], ones));
+        const __m256 t = _mm256_fmadd_ps(load_f16(of + g * kPanel + 8 * c), x0,
+                                         _mm256_mul_ps(sum, load_f16(sc + g * kPanel + 8 * c)));
+        facc[r][c] = _mm256_fmadd_ps(t, s, facc[r][c]);
+      }
+    }
+  }
+  const int64_t n0 = panel * kPanel;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(p.y + (m0 + r) * p.N + n0 + 8 * c, facc[r][c]);
+}
+
+void packed4_rows(const Packed4& p, int64_t m0, int64_t rows, int64_t panel) {
+  switch (rows) {
+    case 1: return packed4_tile<1>(p, m0, panel);
+    case 2: return packed4_tile<2>(p, m0, panel);
+    default: return packed4_tile<3>(p, m0, panel);
+  }
+}
+
+// x row m, group g -> int8 values (scale max|x| / 127; 0 for a zero group) and their sum.
+void quantize_rows_int8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t ng = K / kGroup4;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* xg = x + m * K + g * kGroup4;
+      float amax = 0.f;
+      for (int i = 0; i < kGroup4; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup4; ++i) {
+        const int8_t v = static_cast<int8_t>(std::lrintf(xg[i] * inv));
+        xq[m * K + g * kGroup4 + i] = v;
+        sum += v;
+      }
+      xs[m * ng + g] = amax / 127.f;
+      xsum[m * ng + g] = sum;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Plain layout, f32 activations
 // ---------------------------------------------------------------------------------------
 
@@ -305,6 +414,54 @@ ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return Int8MatmulImpl(pool, x, *q, *scale, y);
 }
 
+// x [M, K] @ a 4-bit panelled weight: codes int8 [N/32, K/4, 2, 32] (bytes of two nibbles),
+// scale and offset f16 [N/32, K/32, 32].
+ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  if (xd.size() != 2 || qd.size() != 4 || qd[2] != 2 || qd[3] != kPanel)
+    return ffi::Error::InvalidArgument("int4_matmul: expected x [M, K] and q int8 [N/32, K/4, 2, 32]");
+  const int64_t M = xd[0], K = xd[1], N = qd[0] * kPanel;
+  if (qd[1] * 4 != K || K % kGroup4)
+    return ffi::Error::InvalidArgument("int4_matmul: x [M, K] and q [N/32, K/4, 2, 32] disagree on K, or K % 32");
+  if (sd.size() != 3 || sd[0] != qd[0] || sd[1] != K / kGroup4 || sd[2] != kPanel ||
+      od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
+    return ffi::Error::InvalidArgument("int4_matmul: scale and offset must be f16 [N/32, K/32, 32]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * (K / kGroup4));
+  std::vector<int32_t> xsum(M * (K / kGroup4));
+  quantize_rows_int8(x.typed_data(), M, K, xq.data(), xs.data(), xsum.data());
+  const Packed4 p{xq.data(), xs.data(), xsum.data(), reinterpret_cast<const uint8_t*>(q.typed_data()),
+                  scale.typed_data(), offset.typed_data(), y->typed_data(), M, K, N};
+  auto work = std::make_shared<Work>();
+  const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;
+  work->units = row_units * (N / kPanel);
+  work->run = [p, row_units](int64_t u) {     // row blocks vary fastest, as in the int8 path
+    const int64_t m0 = (u % row_units) * kPackedRows;
+    packed4_rows(p, m0, std::min<int64_t>(kPackedRows, p.M - m0), u / row_units);
+  };
+  share(pool, work, M * K * N, kInlineMacs);
+  return ffi::Error::Success();
+}
+
+// The layer loop's form: x, layer i32[1], then q_0 .. q_{L-1}, scale_0 .., offset_0 ..
+// (3L operands) or the three stacks; picks layer l's by pointer, the same bits as above.
+ffi::Error Int4MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                               ffi::RemainingArgs ws, ffi::ResultBuffer<ffi::F32> y) {
+  if (layer.element_count() != 1 || ws.size() % 3)
+    return ffi::Error::InvalidArgument("int4_matmul_layer: expected one i32 layer and (q, scale, offset) per layer");
+  const int64_t l = layer.typed_data()[0];
+  XLA_FFI_Buffer qv, sv, ov;
+  auto q = ws.layer<ffi::Buffer<ffi::S8>>(0, 3, l, qv);
+  auto scale = ws.layer<ffi::Buffer<ffi::F16>>(1, 3, l, sv);
+  auto offset = ws.layer<ffi::Buffer<ffi::F16>>(2, 3, l, ov);
+  if (!q.has_value() || !scale.has_value() || !offset.has_value())
+    return ffi::Error::InvalidArgument("int4_matmul_layer: layer index out of range, or not int8 q and float16 scale / offset");
+  return Int4MatmulImpl(pool, x, *q, *scale, *offset, y);
+}
+
 }  // namespace
 
 JAXINFER_FFI_HANDLER(JaxinferInt8Matmul, f) {
@@ -322,4 +479,22 @@ JAXINFER_FFI_HANDLER(JaxinferInt8MatmulLayer, f) {
   auto y = f.ret<ffi::F32>(0);
   if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
   return Int8MatmulLayerImpl(f.pool(), x, layer, f.args_from(2), y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferInt4Matmul, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto q = f.arg<ffi::S8>(1);
+  auto scale = f.arg<ffi::F16>(2);
+  auto offset = f.arg<ffi::F16>(3);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(4, 1)) return f.error();
+  return Int4MatmulImpl(f.pool(), x, q, scale, offset, y);
+}
+
+JAXINFER_FFI_HANDLER(JaxinferInt4MatmulLayer, f) {
+  auto x = f.arg<ffi::F32>(0);
+  auto layer = f.arg<ffi::S32>(1);
+  auto y = f.ret<ffi::F32>(0);
+  if (!f.ok(2, 1, /*more_args=*/true)) return f.error();
+  return Int4MatmulLayerImpl(f.pool(), x, layer, f.args_from(2), y);
 }

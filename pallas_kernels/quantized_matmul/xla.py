@@ -60,26 +60,30 @@ _INT8_MAX = 127
 _INT4_MAX = 7
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scales"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scales", "offsets"],
                    meta_fields=["bits", "group", "panel"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized [K, N] weight. bits 8: q int8 [K, N], scales f32 [N] (group 0).
     bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N].
-    ``panel`` 32 (int8 only, the CPU kernel's layout, cpu_matmul.pack): q is int8
-    [N/32, K/2, 32, 2], column panels with rows in adjacent pairs; 0 = the plain layouts."""
+    ``panel`` 32 (the CPU kernel's layouts, cpu_matmul.pack / pack_int4): int8: q is int8
+    [N/32, K/2, 32, 2], column panels with rows in adjacent pairs; 0 = the plain layouts.
+    4-bit: affine codes (``offsets`` set: w = code * scale + offset, codes 0..15, per group of
+    32 rows of a column, the GGUF Q4_1 scheme), q int8 [N/32, K/4, 2, 32] two codes a byte,
+    scales and offsets f32 [N/32, K/32, 32]; only the CPU kernel reads it."""
 
     q: jax.Array
     scales: jax.Array
     bits: int
     group: int = 0
     panel: int = 0
+    offsets: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.panel:
-            n_panels, half_k, p, _ = self.q.shape
-            return (2 * half_k, n_panels * p)
+        if self.panel:                # rows of K in pairs (int8) or quads (4-bit)
+            n_panels, k_steps = self.q.shape[:2]
+            return ((4 if self.bits == 4 else 2) * k_steps, n_panels * self.panel)
         rows, n = self.q.shape
         return (rows * 2 if self.bits == 4 else rows, n)
 
@@ -109,7 +113,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.size * self.q.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+        return sum(a.size * a.dtype.itemsize for a in (self.q, self.scales, self.offsets) if a is not None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -614,7 +614,8 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_model: str | None = None
     # "self" / "draft": the draft's weight quantization (None: as loaded) and, for "self",
-    # how many of the target's layers it keeps (None: all)
+    # how many of the target's layers it keeps (None: all). On CPU "int4" is the C++ kernel's
+    # 4-bit panels (affine per 32 rows; the LM head int8): RESULTS.md "A 4-bit draft"
     speculative_quantization: str | None = "int8"
     speculative_draft_layers: int | None = None
     # 7: one sequence and its draft fill a decode bucket of 8 slots (padding slots cost
@@ -797,7 +798,7 @@ def _check_speculative(c: "EngineConfig") -> None:
         _require(v is not None or c.speculative_quantization not in (None, c.quantization), "speculative_method",
                  f"'self' with speculative_quantization={c.speculative_quantization!r} and all layers would draft "
                  f"with the target itself (quantization={c.quantization!r}): choose a cheaper draft "
-                 "(speculative_quantization int8 for a float target; int4 for an int8 one, slow on CPU) "
+                 "(speculative_quantization int8 for a float target; int4 for an int8 one) "
                  "or speculative_draft_layers, or speculative_method='ngram'")
     if m in DRAFT_METHODS:
         _require(c.tensor_parallel_size == 1, "speculative_method",

@@ -56,7 +56,7 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False,
     weights, or (``in_place``) the given one, each float weight freed as soon as its
     quantized form exists (a load then never holds two copies of the weights).
     ``int4_panels`` (int4 on CPU, a speculative draft's): weights the CPU kernel's 4-bit
-    panels fit take that form (affine per 32 rows, int8 activations; see
+    panels fit take that form (affine per 32 rows, int16 activations; see
     pallas_kernels/quantized_matmul/cpu.quantize_int4), the rest the symmetric int4."""
     bits = check_mode(mode)
     if bits is None:

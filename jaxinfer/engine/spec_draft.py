@@ -110,8 +110,8 @@ def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any,
         check_draft(loaded.config, loaded.tokenizer, target.cfg, target_tokenizer, max_model_len)
         model = fit_context(loaded.model, max_model_len)
     # int4 on CPU: the C++ kernel's 4-bit panels (affine per 32 rows: a Q4_1 checkpoint's
-    # own codes, so the draft proposes what the target would; int8 activations, which a
-    # draft may round). Weights they do not fit keep the symmetric int4 (XLA's slow path).
+    # own codes, so the draft proposes what the target would). Weights they do not fit
+    # keep the symmetric int4 (XLA's slow path).
     model = quantize_model(model, q, int4_panels=True)
     return model if q else prepare_float_for_cpu(model)
 

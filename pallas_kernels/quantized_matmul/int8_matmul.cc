@@ -157,30 +157,32 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs)
 }
 
 // ---------------------------------------------------------------------------------------
-// 4-bit panels, int8 activations (the GGUF Q4_1 scheme: w = scale * code + offset)
+// 4-bit panels, int16 activations (the GGUF Q4_1 scheme: w = scale * code + offset)
 // ---------------------------------------------------------------------------------------
 //
-// q uint8 [N/32, K/4, 2, 32]: a panel's rows 4t .. 4t+3 as two 32-byte vectors h; byte i of
-// vector h holds, for row 4t + i%4, column 16h + i/4 in its low nibble and 16h + 8 + i/4 in
-// its high one. Codes 0..15 (unsigned); scale and offset f16 [N/32, K/32, 32] (per 32 rows
-// of a column; float16, as Q4_1 stores them). x is quantized per row and per group of 32 to int8 (scale max|x| / 127).
-// A masked vector is 8 columns x 4 rows, so vpmaddubsw (codes x int8 activations, the 4
-// rows of a column in adjacent byte pairs) sums each column's rows in int16 lanes (at most
-// 8 quads x 2 x 15 x 127 = 30480 per group: no saturation) and one vpmaddwd by ones per
-// group gives the column's exact int32 sum S; with X = sum of the group's int8 activations,
-//   y += xs * (scale * S + offset * X)
+// q uint8 [N/32, K/2, 32]: a panel's row pair j as 32 bytes, byte i holding element i of
+// the packed int8 layout's 64 (column i/2, row 2j + i%2) in its low nibble and element
+// 32 + i in its high one, so a 32-byte load unpacks (mask, shift, widen) into exactly the
+// four 16-lane vectors the int8 tile multiplies by a pair of int16 activations (vpmaddwd).
+// Codes 0..15; scale and offset f16 [N/32, K/32, 32] (per 32 rows of a column; float16,
+// as Q4_1 stores them). Activations as in the packed int8 path (int16 per row and block of
+// 64: the same rounding, ~1.5e-5 of a block's max). Per 32-row group g of a row:
+//   y += xs * (scale * S + offset * X)    S = sum_k xq[k] * code[k] (exact int32: at most
+//                                         32 x 15 x 32767 < 2^24, so exact as a float too),
+//                                         X = sum_k xq[k], xs the 64-block's scale
 // in group order: an output depends on its own row only (batch-invariant by construction).
-// Why: half the int8 kernel's bytes a weight and about half its instructions (int8
-// activations cost ~0.4% of each group's max: for a speculative draft, which only
-// proposes, nothing; engine/spec_draft.py), and a Q4_1 checkpoint's own codes.
+// Why: half the int8 bytes a weight, and a Q4_1 checkpoint's own codes: a "self" draft
+// (engine/spec_draft.py) then has the target's layer weights. int8 activations (vpmaddubsw,
+// half the instructions) ran ~10% faster but a draft with them agreed with the target on
+// ~93% of tokens instead of ~98% (RESULTS.md, "A 4-bit draft on a C++ kernel").
 
-constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset / activation scale
+constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset
 
 struct Packed4 {
-  const int8_t* xq;     // [M, K] int8
-  const float* xs;      // [M, K / kGroup4] activation scales
-  const int32_t* xsum;  // [M, K / kGroup4]: sum of xq over each group
-  const uint8_t* q;     // [N/32, K/4, 2, 32]
+  const int16_t* xq;       // [M, K] int16
+  const float* xs;         // [M, K / kBlock]
+  const int32_t* xsum;     // [M, K / kGroup4]: sum of xq over each group
+  const uint8_t* q;        // [N/32, K/2, 32]
   const uint16_t* scale;   // f16 [N/32, K/32, 32]
   const uint16_t* offset;  // f16 [N/32, K/32, 32]
   float* y;                // [M, N]
@@ -193,11 +195,11 @@ inline __m256 load_f16(const uint16_t* p) {
 
 template <int R>
 void packed4_tile(const Packed4& p, int64_t m0, int64_t panel) {
-  const int64_t ng = p.K / kGroup4;
+  const int64_t ng = p.K / kGroup4, nb = p.K / kBlock;
   const uint8_t* w = p.q + panel * (p.K / 2) * kPanel;
   const uint16_t* sc = p.scale + panel * ng * kPanel;
   const uint16_t* of = p.offset + panel * ng * kPanel;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 facc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) facc[r][c] = _mm256_setzero_ps();
@@ -206,28 +208,29 @@ void packed4_tile(const Packed4& p, int64_t m0, int64_t panel) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
     const uint8_t* wg = w + g * (kGroup4 / 2) * kPanel;
-#pragma GCC unroll 2
-    for (int t = 0; t < kGroup4 / 4; ++t) {
-      const uint8_t* wt = wg + t * 2 * kPanel;           // 64 bytes: 32 columns x 4 rows
-      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wt + kPrefetch), _MM_HINT_T0);
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + kPanel));
-      const __m256i wc[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
-                             _mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+    for (int j = 0; j < kGroup4 / 2; ++j) {
+      const uint8_t* wj = wg + j * kPanel;               // 32 bytes: 64 codes
+      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wj + kPrefetch), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      const __m256i wc[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)),
+                             _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)),
+                             _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)),
+                             _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1))};
       for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, p.xq + (m0 + r) * p.K + g * kGroup4 + 4 * t, 4);
-        const __m256i xb = _mm256_set1_epi32(quad);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wc[c], xb));
+        int32_t pair;
+        std::memcpy(&pair, p.xq + (m0 + r) * p.K + g * kGroup4 + 2 * j, 4);
+        const __m256i xb = _mm256_set1_epi32(pair);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wc[c], xb));
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(p.xs[(m0 + r) * ng + g]);
+      const __m256 s = _mm256_set1_ps(p.xs[(m0 + r) * nb + g * kGroup4 / kBlock]);
       const __m256 x0 = _mm256_set1_ps(static_cast<float>(p.xsum[(m0 + r) * ng + g]));
       for (int c = 0; c < 4; ++c) {
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], ones));
         const __m256 t = _mm256_fmadd_ps(load_f16(of + g * kPanel + 8 * c), x0,
-                                         _mm256_mul_ps(sum, load_f16(sc + g * kPanel + 8 * c)));
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][c]),
+                                                       load_f16(sc + g * kPanel + 8 * c)));
         facc[r][c] = _mm256_fmadd_ps(t, s, facc[r][c]);
       }
     }
@@ -243,26 +246,6 @@ void packed4_rows(const Packed4& p, int64_t m0, int64_t rows, int64_t panel) {
     case 2: return packed4_tile<2>(p, m0, panel);
     default: return packed4_tile<3>(p, m0, panel);
   }
-}
-
-// x row m, group g -> int8 values (scale max|x| / 127; 0 for a zero group) and their sum.
-void quantize_rows_int8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs, int32_t* xsum) {
-  const int64_t ng = K / kGroup4;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      const float* xg = x + m * K + g * kGroup4;
-      float amax = 0.f;
-      for (int i = 0; i < kGroup4; ++i) amax = std::max(amax, std::fabs(xg[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int i = 0; i < kGroup4; ++i) {
-        const int8_t v = static_cast<int8_t>(std::lrintf(xg[i] * inv));
-        xq[m * K + g * kGroup4 + i] = v;
-        sum += v;
-      }
-      xs[m * ng + g] = amax / 127.f;
-      xsum[m * ng + g] = sum;
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -414,25 +397,30 @@ ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return Int8MatmulImpl(pool, x, *q, *scale, y);
 }
 
-// x [M, K] @ a 4-bit panelled weight: codes int8 [N/32, K/4, 2, 32] (bytes of two nibbles),
+// x [M, K] @ a 4-bit panelled weight: codes int8 [N/32, K/2, 32] (bytes of two nibbles),
 // scale and offset f16 [N/32, K/32, 32].
 ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
-  if (xd.size() != 2 || qd.size() != 4 || qd[2] != 2 || qd[3] != kPanel)
-    return ffi::Error::InvalidArgument("int4_matmul: expected x [M, K] and q int8 [N/32, K/4, 2, 32]");
+  if (xd.size() != 2 || qd.size() != 3 || qd[2] != kPanel)
+    return ffi::Error::InvalidArgument("int4_matmul: expected x [M, K] and q int8 [N/32, K/2, 32]");
   const int64_t M = xd[0], K = xd[1], N = qd[0] * kPanel;
-  if (qd[1] * 4 != K || K % kGroup4)
-    return ffi::Error::InvalidArgument("int4_matmul: x [M, K] and q [N/32, K/4, 2, 32] disagree on K, or K % 32");
+  if (qd[1] * 2 != K || K % kBlock)
+    return ffi::Error::InvalidArgument("int4_matmul: x [M, K] and q [N/32, K/2, 32] disagree on K, or K % 64");
   if (sd.size() != 3 || sd[0] != qd[0] || sd[1] != K / kGroup4 || sd[2] != kPanel ||
       od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
     return ffi::Error::InvalidArgument("int4_matmul: scale and offset must be f16 [N/32, K/32, 32]");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * (K / kGroup4));
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * (K / kBlock));
   std::vector<int32_t> xsum(M * (K / kGroup4));
-  quantize_rows_int8(x.typed_data(), M, K, xq.data(), xs.data(), xsum.data());
+  quantize_rows(x.typed_data(), M, K, xq.data(), xs.data());
+  for (int64_t i = 0; i < M * (K / kGroup4); ++i) {   // K % 32 == 0: group i of the flat rows
+    int32_t t = 0;
+    for (int k = 0; k < kGroup4; ++k) t += xq[i * kGroup4 + k];
+    xsum[i] = t;
+  }
   const Packed4 p{xq.data(), xs.data(), xsum.data(), reinterpret_cast<const uint8_t*>(q.typed_data()),
                   scale.typed_data(), offset.typed_data(), y->typed_data(), M, K, N};
   auto work = std::make_shared<Work>();

@@ -80,10 +80,10 @@ def quantize_int4(w: jax.Array) -> QuantizedWeight:
     scale = jnp.where(scale > 0, scale, jnp.float16(1))
     lo, scale = lo.astype(jnp.float32), scale.astype(jnp.float32)
     codes = jnp.clip(jnp.round((g - lo[:, None]) / scale[:, None]), 0, 15).astype(jnp.uint8)
-    # the packed int8 layout's 64 elements a row pair ([N/32, K/2, 32 columns, 2 rows]),
-    # then element i in byte i's low nibble and element 32 + i in its high one
-    e = codes.reshape(K // 2, 2, N // PANEL, PANEL).transpose(2, 0, 3, 1).reshape(N // PANEL, K // 2, 2 * PANEL)
-    q = (e[..., :PANEL] | (e[..., PANEL:] << 4)).view(jnp.int8)             # [N/32, K/2, 32]
+    # (quad t, row kk, panel, vector h, nibble, column cc) -> [panel, t, h, nibble, byte 4 cc + kk]
+    e = codes.reshape(K // 4, 4, N // PANEL, 2, 2, 8).transpose(2, 0, 3, 4, 5, 1)
+    e = e.reshape(N // PANEL, K // 4, 2, 2, PANEL)
+    q = (e[:, :, :, 0] | (e[:, :, :, 1] << 4)).view(jnp.int8)               # [N/32, K/4, 2, 32]
     panels = lambda a: a.astype(jnp.float16).reshape(K // GROUP4, N // PANEL, PANEL).transpose(1, 0, 2)
     return QuantizedWeight(q, panels(scale), 4, GROUP4, PANEL, panels(lo))        # f16 [N/32, K/32, 32]
 
@@ -92,8 +92,8 @@ def dequantize_int4(w: QuantizedWeight) -> jax.Array:
     """A ``quantize_int4`` weight -> f32 [K, N] (code * scale + offset): the reference."""
     K, N = w.shape
     b = w.q.view(jnp.uint8)
-    e = jnp.concatenate([b & 0xF, b >> 4], axis=-1)                        # [N/32, K/2, 64]
-    codes = e.reshape(N // PANEL, K // 2, PANEL, 2).transpose(1, 3, 0, 2).reshape(K, N).astype(jnp.float32)
+    e = jnp.stack([b & 0xF, b >> 4], axis=3).reshape(N // PANEL, K // 4, 2, 2, 8, 4)
+    codes = e.transpose(1, 5, 0, 2, 3, 4).reshape(K, N).astype(jnp.float32)
     rows = lambda a: jnp.repeat(a.astype(jnp.float32).transpose(1, 0, 2).reshape(K // GROUP4, N), GROUP4, axis=0)
     return codes * rows(w.scales) + rows(w.offsets)
 

@@ -160,29 +160,34 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs)
 // 4-bit panels, int16 activations (the GGUF Q4_1 scheme: w = scale * code + offset)
 // ---------------------------------------------------------------------------------------
 //
-// q uint8 [N/32, K/2, 32]: a panel's row pair j as 32 bytes, byte i holding element i of
-// the packed int8 layout's 64 (column i/2, row 2j + i%2) in its low nibble and element
-// 32 + i in its high one, so a 32-byte load unpacks (mask, shift, widen) into exactly the
-// four 16-lane vectors the int8 tile multiplies by a pair of int16 activations (vpmaddwd).
-// Codes 0..15; scale and offset f16 [N/32, K/32, 32] (per 32 rows of a column; float16,
-// as Q4_1 stores them). Activations as in the packed int8 path (int16 per row and block of
-// 64: the same rounding, ~1.5e-5 of a block's max). Per 32-row group g of a row:
-//   y += xs * (scale * S + offset * X)    S = sum_k xq[k] * code[k] (exact int32: at most
-//                                         32 x 15 x 32767 < 2^24, so exact as a float too),
-//                                         X = sum_k xq[k], xs the 64-block's scale
+// q uint8 [N/32, K/4, 2, 32]: a panel's rows 4t .. 4t+3 ("quad" t) as two 32-byte vectors h;
+// byte i of vector h holds, for row 4t + i%4, column 16h + i/4 in its low nibble and column
+// 16h + 8 + i/4 in its high one. Codes 0..15; scale and offset f16 [N/32, K/32, 32] (per 32
+// rows of a column; float16, as Q4_1 stores them). Activations as in the packed int8 path
+// (int16 per row and block of 64: the same rounding, ~1.5e-5 of a block's max), split into
+// bytes x = 256 * xh + xl (xh signed, xl unsigned 0..255), so vpmaddubsw multiplies a
+// masked vector (8 columns x 4 rows) by each: codes x xh (u8 x s8) and xl x codes (u8 x s8),
+// the 4 rows of a column in adjacent byte pairs, summed in int16 lanes (xh: a whole group,
+// at most 8 quads x 2 x 15 x 128 = 30720; xl: 4 quads, at most 4 x 2 x 255 x 15 = 30600),
+// then vpmaddwd by ones per column. Per 32-row group g of a row:
+//   y += xs * (scale * S + offset * X)    S = sum_k xq[k] * code[k] = 256 S_h + S_l (exact
+//                                         int32: |S| <= 32 x 15 x 32767 < 2^24, so exact as a
+//                                         float too), X = sum_k xq[k], xs the 64-block's scale
 // in group order: an output depends on its own row only (batch-invariant by construction).
 // Why: half the int8 bytes a weight, and a Q4_1 checkpoint's own codes: a "self" draft
-// (engine/spec_draft.py) then has the target's layer weights. int8 activations (vpmaddubsw,
-// half the instructions) ran ~10% faster but a draft with them agreed with the target on
-// ~93% of tokens instead of ~98% (RESULTS.md, "A 4-bit draft on a C++ kernel").
+// (engine/spec_draft.py) then has the target's layer weights. int8 activations (one
+// vpmaddubsw a vector) ran ~10% faster but a draft with them agreed with the target on ~93%
+// of tokens instead of ~98%; widening the codes to int16 for vpmaddwd cost ~40% more
+// instructions than these byte halves (RESULTS.md, "A 4-bit draft on a C++ kernel").
 
 constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset
 
 struct Packed4 {
-  const int16_t* xq;       // [M, K] int16
+  const uint8_t* xl;       // [M, K] low bytes of the int16 activations
+  const int8_t* xh;        // [M, K] high bytes
   const float* xs;         // [M, K / kBlock]
-  const int32_t* xsum;     // [M, K / kGroup4]: sum of xq over each group
-  const uint8_t* q;        // [N/32, K/2, 32]
+  const int32_t* xsum;     // [M, K / kGroup4]: sum of the int16 activations over each group
+  const uint8_t* q;        // [N/32, K/4, 2, 32]
   const uint16_t* scale;   // f16 [N/32, K/32, 32]
   const uint16_t* offset;  // f16 [N/32, K/32, 32]
   float* y;                // [M, N]
@@ -193,44 +198,53 @@ inline __m256 load_f16(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int R>
+// Row m0 x the 32 columns of panel `panel`.
 void packed4_tile(const Packed4& p, int64_t m0, int64_t panel) {
+  constexpr int R = 1;     // one row a tile (see packed4_rows)
   const int64_t ng = p.K / kGroup4, nb = p.K / kBlock;
   const uint8_t* w = p.q + panel * (p.K / 2) * kPanel;
   const uint16_t* sc = p.scale + panel * ng * kPanel;
   const uint16_t* of = p.offset + panel * ng * kPanel;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 facc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) facc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m256i acc[R][4];
+    __m256i hi[R][4], lo[R][4], sum[R][4];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) hi[r][c] = lo[r][c] = sum[r][c] = _mm256_setzero_si256();
     const uint8_t* wg = w + g * (kGroup4 / 2) * kPanel;
-    for (int j = 0; j < kGroup4 / 2; ++j) {
-      const uint8_t* wj = wg + j * kPanel;               // 32 bytes: 64 codes
-      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wj + kPrefetch), _MM_HINT_T0);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256i wc[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)),
-                             _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)),
-                             _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)),
-                             _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1))};
+    for (int t = 0; t < kGroup4 / 4; ++t) {
+      const uint8_t* wt = wg + t * 2 * kPanel;            // 64 bytes: 32 columns x 4 rows
+      if constexpr (kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wt + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + 32));
+      const __m256i wc[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                             _mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, p.xq + (m0 + r) * p.K + g * kGroup4 + 2 * j, 4);
-        const __m256i xb = _mm256_set1_epi32(pair);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wc[c], xb));
+        int32_t qh, ql;
+        std::memcpy(&qh, p.xh + (m0 + r) * p.K + g * kGroup4 + 4 * t, 4);
+        std::memcpy(&ql, p.xl + (m0 + r) * p.K + g * kGroup4 + 4 * t, 4);
+        const __m256i bh = _mm256_set1_epi32(qh), bl = _mm256_set1_epi32(ql);
+        for (int c = 0; c < 4; ++c) {
+          hi[r][c] = _mm256_add_epi16(hi[r][c], _mm256_maddubs_epi16(wc[c], bh));
+          lo[r][c] = _mm256_add_epi16(lo[r][c], _mm256_maddubs_epi16(bl, wc[c]));
+        }
       }
+      if (t % 4 == 3)          // the low halves' int16 lanes hold 4 quads at most
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < 4; ++c) {
+            sum[r][c] = _mm256_add_epi32(sum[r][c], _mm256_madd_epi16(lo[r][c], ones));
+            lo[r][c] = _mm256_setzero_si256();
+          }
     }
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_set1_ps(p.xs[(m0 + r) * nb + g * kGroup4 / kBlock]);
       const __m256 x0 = _mm256_set1_ps(static_cast<float>(p.xsum[(m0 + r) * ng + g]));
       for (int c = 0; c < 4; ++c) {
+        const __m256i S = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r][c], ones), 8), sum[r][c]);
         const __m256 t = _mm256_fmadd_ps(load_f16(of + g * kPanel + 8 * c), x0,
-                                         _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][c]),
-                                                       load_f16(sc + g * kPanel + 8 * c)));
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(S), load_f16(sc + g * kPanel + 8 * c)));
         facc[r][c] = _mm256_fmadd_ps(t, s, facc[r][c]);
       }
     }
@@ -240,12 +254,10 @@ void packed4_tile(const Packed4& p, int64_t m0, int64_t panel) {
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(p.y + (m0 + r) * p.N + n0 + 8 * c, facc[r][c]);
 }
 
+// One row at a time: a tile of 2 or 3 rows needs 24-36 accumulators and spills (M = 2 ran
+// slower than two 1-row passes, whose second reads the panel from L1/L2).
 void packed4_rows(const Packed4& p, int64_t m0, int64_t rows, int64_t panel) {
-  switch (rows) {
-    case 1: return packed4_tile<1>(p, m0, panel);
-    case 2: return packed4_tile<2>(p, m0, panel);
-    default: return packed4_tile<3>(p, m0, panel);
-  }
+  for (int64_t r = 0; r < rows; ++r) packed4_tile(p, m0 + r, panel);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -397,17 +409,17 @@ ffi::Error Int8MatmulLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return Int8MatmulImpl(pool, x, *q, *scale, y);
 }
 
-// x [M, K] @ a 4-bit panelled weight: codes int8 [N/32, K/2, 32] (bytes of two nibbles),
+// x [M, K] @ a 4-bit panelled weight: codes int8 [N/32, K/4, 2, 32] (bytes of two nibbles),
 // scale and offset f16 [N/32, K/32, 32].
 ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || qd[2] != kPanel)
-    return ffi::Error::InvalidArgument("int4_matmul: expected x [M, K] and q int8 [N/32, K/2, 32]");
+  if (xd.size() != 2 || qd.size() != 4 || qd[2] != 2 || qd[3] != kPanel)
+    return ffi::Error::InvalidArgument("int4_matmul: expected x [M, K] and q int8 [N/32, K/4, 2, 32]");
   const int64_t M = xd[0], K = xd[1], N = qd[0] * kPanel;
-  if (qd[1] * 2 != K || K % kBlock)
-    return ffi::Error::InvalidArgument("int4_matmul: x [M, K] and q [N/32, K/2, 32] disagree on K, or K % 64");
+  if (qd[1] * 4 != K || K % kBlock)
+    return ffi::Error::InvalidArgument("int4_matmul: x [M, K] and q [N/32, K/4, 2, 32] disagree on K, or K % 64");
   if (sd.size() != 3 || sd[0] != qd[0] || sd[1] != K / kGroup4 || sd[2] != kPanel ||
       od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
     return ffi::Error::InvalidArgument("int4_matmul: scale and offset must be f16 [N/32, K/32, 32]");
@@ -415,13 +427,19 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<int16_t> xq(M * K);
   std::vector<float> xs(M * (K / kBlock));
   std::vector<int32_t> xsum(M * (K / kGroup4));
+  std::vector<uint8_t> xl(M * K);
+  std::vector<int8_t> xh(M * K);
   quantize_rows(x.typed_data(), M, K, xq.data(), xs.data());
+  for (int64_t i = 0; i < M * K; ++i) {     // x = 256 * xh + xl, xl unsigned
+    xl[i] = static_cast<uint8_t>(xq[i] & 0xFF);
+    xh[i] = static_cast<int8_t>(xq[i] >> 8);
+  }
   for (int64_t i = 0; i < M * (K / kGroup4); ++i) {   // K % 32 == 0: group i of the flat rows
     int32_t t = 0;
     for (int k = 0; k < kGroup4; ++k) t += xq[i * kGroup4 + k];
     xsum[i] = t;
   }
-  const Packed4 p{xq.data(), xs.data(), xsum.data(), reinterpret_cast<const uint8_t*>(q.typed_data()),
+  const Packed4 p{xl.data(), xh.data(), xs.data(), xsum.data(), reinterpret_cast<const uint8_t*>(q.typed_data()),
                   scale.typed_data(), offset.typed_data(), y->typed_data(), M, K, N};
   auto work = std::make_shared<Work>();
   const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;

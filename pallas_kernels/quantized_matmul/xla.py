@@ -69,7 +69,7 @@ class QuantizedWeight:
     ``panel`` 32 (the CPU kernel's layouts, cpu_matmul.pack / pack_int4): int8: q is int8
     [N/32, K/2, 32, 2], column panels with rows in adjacent pairs; 0 = the plain layouts.
     4-bit: affine codes (``offsets`` set: w = code * scale + offset, codes 0..15, per group of
-    32 rows of a column, the GGUF Q4_1 scheme), q int8 [N/32, K/2, 32] two codes a byte,
+    32 rows of a column, the GGUF Q4_1 scheme), q int8 [N/32, K/4, 2, 32] two codes a byte,
     scales and offsets float16 [N/32, K/32, 32]; only the CPU kernel reads it."""
 
     q: jax.Array
@@ -81,9 +81,9 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.panel:                # rows of K in pairs
-            n_panels, half_k = self.q.shape[:2]
-            return (2 * half_k, n_panels * self.panel)
+        if self.panel:                # rows of K in pairs (int8) or quads (4-bit)
+            n_panels, k_steps = self.q.shape[:2]
+            return ((4 if self.bits == 4 else 2) * k_steps, n_panels * self.panel)
         rows, n = self.q.shape
         return (rows * 2 if self.bits == 4 else rows, n)
 

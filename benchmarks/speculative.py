@@ -61,16 +61,16 @@ def prompts(n: int, path) -> tuple[dict[str, list[str]], str]:
 
 def method_options(method: str, quant: str | None, k: int, draft_model: str | None,
                    draft_layers: int | None = None) -> dict:
-    """EngineConfig fields of one speculative method for a target quantized as ``quant``:
-    "self" drafts with int8 weights for a float target, int4 for an int8 one, or (with
-    ``draft_layers``) with the target's first layers in int8; "self:int4" (any
-    "self:<speculative_quantization>") names the draft's weights."""
+    """EngineConfig fields of one speculative method: "self" drafts with the engine's default
+    (speculative_quantization "auto": int4 on CPU), "self:int8" / "self:int4" (any
+    "self:<speculative_quantization>") name the draft's weights; with ``draft_layers`` the
+    draft is the target's first layers."""
     method, _, draft_quant = method.partition(":")
     spec = dict(speculative_method=method, num_speculative_tokens=k)
+    if method == "self" and draft_quant:
+        spec["speculative_quantization"] = draft_quant
     if method == "self" and draft_layers:
-        spec.update(speculative_quantization=draft_quant or "int8", speculative_draft_layers=draft_layers)
-    elif method == "self":
-        spec["speculative_quantization"] = draft_quant or ("int4" if quant == "int8" else "int8")
+        spec["speculative_draft_layers"] = draft_layers
     if method == "draft":
         spec["speculative_model"] = draft_model
     return spec
@@ -199,7 +199,7 @@ def main() -> None:
                         "self:int4 / self:int8 (the draft's weights), draft (needs --draft-model)")
     p.add_argument("--draft-model", default=None, help="the draft model of --methods draft")
     p.add_argument("--draft-layers", type=int, default=None,
-                   help="--methods self: draft with the target's first N layers in int8")
+                   help="--methods self: draft with the target's first N layers")
     p.add_argument("--categories", default="coding,extraction,summarization", help="comma-separated")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--new-tokens", type=int, default=128)

@@ -32,6 +32,18 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("llama3", "linear", "longrope", "default")
 
 
+def draft_quantization(c: "EngineConfig", int4_kernel: bool) -> str | None:
+    """The draft's weight quantization, ``speculative_quantization`` with "auto" resolved:
+    int4 for a quantized target (int8 would not be cheaper than an int8 one) and where the
+    CPU kernel's 4-bit panels run (``int4_kernel``: on this VM they draft faster and agree
+    more than int8, RESULTS.md "A 4-bit draft on a C++ kernel"), else int8 (an accelerator's
+    int4 is symmetric per group of 64: 41% of its drafts agreed)."""
+    q = c.speculative_quantization
+    if q != "auto":
+        return q
+    return "int4" if c.quantization is not None or int4_kernel else "int8"
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
@@ -615,8 +627,10 @@ class EngineConfig:
     speculative_model: str | None = None
     # "self" / "draft": the draft's weight quantization (None: as loaded) and, for "self",
     # how many of the target's layers it keeps (None: all). On CPU "int4" is the C++ kernel's
-    # 4-bit panels (affine per 32 rows; the LM head int8): RESULTS.md "A 4-bit draft"
-    speculative_quantization: str | None = "int8"
+    # 4-bit panels (affine per 32 rows; the LM head int8): RESULTS.md "A 4-bit draft".
+    # "auto" (draft_quantization): int4 where that kernel runs or the target is quantized,
+    # else int8
+    speculative_quantization: str | None = "auto"
     speculative_draft_layers: int | None = None
     # 7: one sequence and its draft fill a decode bucket of 8 slots (padding slots cost
     # about as much as used ones; benchmarks/RESULTS.md compares 3, 4 and 7)
@@ -784,8 +798,8 @@ def _check_speculative(c: "EngineConfig") -> None:
     _require(c.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be <= 16, got {c.num_speculative_tokens}")
     _require(c.ngram_prompt_lookup_min <= c.ngram_prompt_lookup_max, "ngram_prompt_lookup_min",
              f"must be <= ngram_prompt_lookup_max ({c.ngram_prompt_lookup_max}), got {c.ngram_prompt_lookup_min}")
-    _require(c.speculative_quantization in (None, "int8", "int4"), "speculative_quantization",
-             f"must be None, 'int8' or 'int4', got {c.speculative_quantization!r}")
+    _require(c.speculative_quantization in (None, "auto", "int8", "int4"), "speculative_quantization",
+             f"must be None, 'auto', 'int8' or 'int4', got {c.speculative_quantization!r}")
     v = c.speculative_draft_layers
     _require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), "speculative_draft_layers",
              f"must be a positive integer or None, got {v!r}")
@@ -795,8 +809,9 @@ def _check_speculative(c: "EngineConfig") -> None:
              "is required by speculative_method='draft' (a model with the target's vocabulary) and "
              f"only used by it (speculative_method={m!r})")
     if m == "self":
-        _require(v is not None or c.speculative_quantization not in (None, c.quantization), "speculative_method",
-                 f"'self' with speculative_quantization={c.speculative_quantization!r} and all layers would draft "
+        q = draft_quantization(c, int4_kernel=False)    # "auto" is the same draft either way here
+        _require(v is not None or q not in (None, c.quantization), "speculative_method",
+                 f"'self' with speculative_quantization={q!r} and all layers would draft "
                  f"with the target itself (quantization={c.quantization!r}): choose a cheaper draft "
                  "(speculative_quantization int8 for a float target; int4 for an int8 one) "
                  "or speculative_draft_layers, or speculative_method='ngram'")

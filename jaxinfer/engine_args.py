@@ -61,8 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "copy drafts; draft = the --speculative-model drafts")
     g.add_argument("--speculative-model", default=None, metavar="PATH",
                    help="draft model for --speculative-method draft (same vocabulary as the model)")
-    g.add_argument("--speculative-quantization", choices=["int8", "int4", "none"], default="int8",
-                   help="the draft model's weights (self, draft): int8 (default), int4 or as loaded")
+    g.add_argument("--speculative-quantization", choices=["auto", "int8", "int4", "none"], default="auto",
+                   help="the draft model's weights (self, draft): int8, int4 or as loaded; auto (default): "
+                        "int4 on CPU (the C++ 4-bit kernel) or for a quantized model, else int8")
     g.add_argument("--speculative-draft-layers", type=int, default=None, metavar="L",
                    help="self: draft with the model's first L layers only (default: all)")
     g.add_argument("--num-speculative-tokens", type=int, default=7, help="tokens proposed per step")

@@ -205,13 +205,21 @@ def name(quantization: str | None, dtype: Any, backend: str | None = None) -> st
     return "xla"
 
 
+def int4_kernel_available() -> bool:
+    """Whether the CPU kernel's 4-bit panels can run here (CPU backend, kernel built)."""
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels.quantized_matmul import cpu as cpu_matmul
+    return cpu_matmul.available()
+
+
 def int4_kernel_applies(w: jax.Array) -> bool:
     """Whether a float [K, N] weight can take the CPU kernel's 4-bit panels (CPU backend,
     the kernel built, K and N multiples of 32)."""
-    if jax.default_backend() != "cpu" or len(w.shape) != 2:
+    if len(w.shape) != 2 or not int4_kernel_available():
         return False
     from pallas_kernels.quantized_matmul import cpu as cpu_matmul
-    return cpu_matmul.int4_applies(*w.shape) and cpu_matmul.available()
+    return cpu_matmul.int4_applies(*w.shape)
 
 
 def pack_for_backend(w, backend: str | None = None):

@@ -171,6 +171,23 @@ def test_config_refuses_unsupported():
         EngineConfig(speculative_method="ngram", num_scheduler_steps=4)
     with pytest.raises(ValueError, match="ngram_prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", ngram_prompt_lookup_min=5, ngram_prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="would draft with the target itself"):
+        EngineConfig(speculative_method="self", quantization="int8", speculative_quantization="int8")
+
+
+def test_auto_draft_quantization():
+    """speculative_quantization "auto" (the default): int4 where the CPU kernel's 4-bit panels
+    run or the target is quantized, int8 otherwise; an explicit choice is kept."""
+    from jaxinfer.config import draft_quantization
+
+    c = EngineConfig(speculative_method="self")
+    assert c.speculative_quantization == "auto"
+    assert (draft_quantization(c, True), draft_quantization(c, False)) == ("int4", "int8")
+    q8 = EngineConfig(speculative_method="self", quantization="int8")      # valid: its draft is int4
+    assert draft_quantization(q8, False) == "int4"
+    assert draft_quantization(EngineConfig(speculative_method="self", speculative_quantization="int8"), True) == "int8"
+    assert draft_quantization(EngineConfig(speculative_method="self", speculative_quantization=None,
+                                           speculative_draft_layers=1), True) is None
 
 
 def test_greedy_identical_alone_and_batched(plain, spec):

@@ -2,7 +2,8 @@
 verifies what they propose, exactly as it verifies prompt lookup).
 
 The draft is a second, cheaper model with the target's vocabulary. ``self``: the target's own
-weights, quantized (``speculative_quantization``, int8 by default) and/or cut to their first
+weights, quantized (``speculative_quantization``; "auto": int4 on the CPU kernel's 4-bit panels
+or for a quantized target, else int8) and/or cut to their first
 ``speculative_draft_layers`` layers, so the user needs no second checkpoint. ``draft``: a
 separate small model (``speculative_model``) sharing the tokenizer.
 
@@ -92,7 +93,10 @@ def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any,
     backend. ``target``: the target model before the engine quantizes it (float weights)."""
     from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
-    q = config.speculative_quantization
+    from jaxinfer.config import draft_quantization
+    from jaxinfer.matmul import int4_kernel_available
+
+    q = draft_quantization(config, int4_kernel_available())
     if config.speculative_method == "self":
         n, keep = target.cfg.num_layers, config.speculative_draft_layers
         if keep is not None and keep > n:

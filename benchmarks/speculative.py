@@ -106,7 +106,11 @@ def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k:
     tok = loaded.tokenizer
     engines = {"plain": build(loaded, quant, {})}
     for m in methods:
-        engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model, draft_layers))
+        try:
+            engines[m] = build(loaded, quant, method_options(m, quant, k, draft_model, draft_layers))
+        except ValueError as e:     # e.g. self:int8 on an int8 target (it would draft with itself)
+            print(f"{m} skipped for quantization {quant}: {e}")
+    methods = [m for m in methods if m in engines]
     warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
     for e in engines.values():
         decode_rate(e, warm, 8)
@@ -236,7 +240,7 @@ def main() -> None:
         C.print_table([(f"{cat}: {m}", f"{C.fmt(v['plain_tok_s'])} -> {C.fmt(v[m]['tok_s'])} tok/s, "
                         f"{v[m]['speedup']:.2f}x, acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
                         f"identical {v[m]['greedy_identical']}")
-                       for cat, v in r.items() for m in methods], f"batch 1, {q} ({source}), load {C.load_avg()}")
+                       for cat, v in r.items() for m in methods if m in v], f"batch 1, {q} ({source}), load {C.load_avg()}")
     if args.llama_cpp and not C.llama_cpp_available():
         print("llama_cpp not importable (pip install llama-cpp-python): llama.cpp peer skipped")
     elif args.llama_cpp:

@@ -335,6 +335,21 @@ void plain_tail(const Plain& p) {
 // The FFI handler (work shared over XLA's pool: work_share.h)
 // ---------------------------------------------------------------------------------------
 
+// The packed layouts' work: units of (up to kPackedRows rows) x (one 32-column panel), row
+// blocks varying fastest so consecutive units share a panel's weights in cache;
+// tile(m0, rows, panel) computes one.
+template <class Tile>
+void share_panel_units(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, Tile tile) {
+  auto work = std::make_shared<Work>();
+  const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;
+  work->units = row_units * (N / kPanel);
+  work->run = [tile, M, row_units](int64_t u) {
+    const int64_t m0 = (u % row_units) * kPackedRows;
+    tile(m0, std::min<int64_t>(kPackedRows, M - m0), u / row_units);
+  };
+  share(pool, work, M * K * N, kInlineMacs);
+}
+
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
                           ffi::ResultBuffer<ffi::F32> y) {
@@ -360,14 +375,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     std::vector<float> xs(M * (K / kBlock));
     quantize_rows(x.typed_data(), M, K, xq.data(), xs.data());
     const Packed p{xq.data(), xs.data(), qp, scale.typed_data(), y->typed_data(), M, K, N};
-    const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;
-    work->units = row_units * (N / kPanel);
-    // Row blocks vary fastest: consecutive units share a panel's weights in cache.
-    work->run = [p, row_units](int64_t u) {
-      const int64_t m0 = (u % row_units) * kPackedRows;
-      packed_rows(p, m0, std::min<int64_t>(kPackedRows, p.M - m0), u / row_units);
-    };
-    share(pool, work, M * K * N, kInlineMacs);
+    share_panel_units(pool, M, K, N, [p](int64_t m0, int64_t rows, int64_t panel) { packed_rows(p, m0, rows, panel); });
     return ffi::Error::Success();
   }
 
@@ -441,14 +449,7 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   const Packed4 p{xl.data(), xh.data(), xs.data(), xsum.data(), reinterpret_cast<const uint8_t*>(q.typed_data()),
                   scale.typed_data(), offset.typed_data(), y->typed_data(), M, K, N};
-  auto work = std::make_shared<Work>();
-  const int64_t row_units = (M + kPackedRows - 1) / kPackedRows;
-  work->units = row_units * (N / kPanel);
-  work->run = [p, row_units](int64_t u) {     // row blocks vary fastest, as in the int8 path
-    const int64_t m0 = (u % row_units) * kPackedRows;
-    packed4_rows(p, m0, std::min<int64_t>(kPackedRows, p.M - m0), u / row_units);
-  };
-  share(pool, work, M * K * N, kInlineMacs);
+  share_panel_units(pool, M, K, N, [p](int64_t m0, int64_t rows, int64_t panel) { packed4_rows(p, m0, rows, panel); });
   return ffi::Error::Success();
 }
 

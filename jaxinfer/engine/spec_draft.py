@@ -57,20 +57,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from typing import Any, Callable
 
-import jax
 from flax import nnx
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, draft_quantization
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine.batch import Bucket, BucketLadders, as_device_args, build_step
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.engine.sequence import Sequence
 
-log = logging.getLogger("jaxinfer")
 
 # The draft samples greedily and has no penalties: every slot uses penalty-state row 0.
 _ROWS: collections.defaultdict = collections.defaultdict(int)
@@ -91,10 +88,8 @@ def first_layers(model: nnx.Module, num_layers: int) -> nnx.Module:
 def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any, max_model_len: int) -> nnx.Module:
     """The draft model of ``config.speculative_method`` ("self" | "draft"), laid out for this
     backend. ``target``: the target model before the engine quantizes it (float weights)."""
-    from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
-
-    from jaxinfer.config import draft_quantization
     from jaxinfer.matmul import int4_kernel_available
+    from jaxinfer.quantization import prepare_float_for_cpu, quantize_model
 
     q = draft_quantization(config, int4_kernel_available())
     if config.speculative_method == "self":

@@ -1,4 +1,5 @@
-"""The CPU int8 weight-only matmul: a C++ kernel (cpu/int8_matmul.cc) called through jax.ffi.
+"""The CPU int8 weight-only matmul: a C++ kernel (int8_matmul.cc) called through jax.ffi; the
+same file's 4-bit panels (``quantize_int4`` / ``int4_matmul``) serve a speculative draft.
 
 XLA:CPU converts int8 weights to f32 in memory before its dot, so int8 weights streamed no
 fewer bytes than f32 ones (RESULTS.md, "Quantized matmul on CPU"). The kernel reads only
@@ -75,10 +76,9 @@ def quantize_int4(w: jax.Array) -> QuantizedWeight:
     g = w.astype(jnp.float32).reshape(K // GROUP4, GROUP4, N)
     # offset and scale in float16, as Q4_1 keeps them (a quarter of the bytes), the codes
     # found against those rounded values
-    lo = g.min(axis=1).astype(jnp.float16)                                 # [K/32, N]
-    scale = jnp.where(g.max(axis=1) > lo, (g.max(axis=1) - lo) / 15, 1.0).astype(jnp.float16)
-    scale = jnp.where(scale > 0, scale, jnp.float16(1))
-    lo, scale = lo.astype(jnp.float32), scale.astype(jnp.float32)
+    lo = g.min(axis=1).astype(jnp.float16).astype(jnp.float32)             # [K/32, N]
+    scale = ((g.max(axis=1) - lo) / 15).astype(jnp.float16).astype(jnp.float32)
+    scale = jnp.where(scale > 0, scale, 1.0)      # a constant block (or a scale below float16's)
     codes = jnp.clip(jnp.round((g - lo[:, None]) / scale[:, None]), 0, 15).astype(jnp.uint8)
     # (quad t, row kk, panel, vector h, nibble, column cc) -> [panel, t, h, nibble, byte 4 cc + kk]
     e = codes.reshape(K // 4, 4, N // PANEL, 2, 2, 8).transpose(2, 0, 3, 4, 5, 1)

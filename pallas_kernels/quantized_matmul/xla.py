@@ -66,7 +66,7 @@ _INT4_MAX = 7
 class QuantizedWeight:
     """A quantized [K, N] weight. bits 8: q int8 [K, N], scales f32 [N] (group 0).
     bits 4: q = packed int8 [K/2, N], scales f32 [K/group, N].
-    ``panel`` 32 (the CPU kernel's layouts, cpu_matmul.pack / pack_int4): int8: q is int8
+    ``panel`` 32 (the CPU kernel's layouts, cpu_matmul.pack / quantize_int4): int8: q is int8
     [N/32, K/2, 32, 2], column panels with rows in adjacent pairs; 0 = the plain layouts.
     4-bit: affine codes (``offsets`` set: w = code * scale + offset, codes 0..15, per group of
     32 rows of a column, the GGUF Q4_1 scheme), q int8 [N/32, K/4, 2, 32] two codes a byte,

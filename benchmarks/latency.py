@@ -133,6 +133,8 @@ def main() -> None:
     res["matmul_ceiling"] = C.matmul_ceiling()
 
     cfg = engine_config(args)
+    if args.compare_kv_int8:
+        cfg["kv_cache_dtype"] = "model"      # the A/B's base: pages in the model's dtype
     # None: no cache (the engine's default would make a rerun warm)
     cfg["compilation_cache_dir"] = args.compilation_cache or None
     res["engine_config"] = cfg

@@ -86,7 +86,8 @@ def largest_anonymous(top: int = 8) -> list[tuple[int, int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default=None, choices=["int8", "int4"])
-    p.add_argument("--kv-cache-dtype", default=None, choices=["int8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "model", "int8"],
+                   help="auto: int8 pages with quantized weights (the engine's default)")
     p.add_argument("--workload", default=None, help="token-id workload JSON (default: ../shared/data's)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -133,7 +134,7 @@ def main() -> None:
 
     m = res["machine"]
     print(f"\n== memory breakdown ({args.quantization or 'float32'} weights, "
-          f"{args.kv_cache_dtype or 'model-dtype'} KV; {m.get('cpu')}, {m.get('cores')} cores, {m.get('date')})")
+          f"{args.kv_cache_dtype} KV; {m.get('cpu')}, {m.get('cores')} cores, {m.get('date')})")
     print(f"  workload               {res['workload']}: {res['tok_per_s']:.1f} out tok/s")
     for k in ("imported", "engine", "after_workload"):
         r = res[k]

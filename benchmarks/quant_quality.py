@@ -36,7 +36,7 @@ def prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
             for t in texts[:n]]
 
 
-def greedy(loaded, quantization, ps, tokens, kv_cache_dtype=None) -> tuple[list[list[int]], object, float]:
+def greedy(loaded, quantization, ps, tokens, kv_cache_dtype="model") -> tuple[list[list[int]], object, float]:
     from jaxinfer.config import SamplingParams
     from jaxinfer.engine.engine import Engine
 
@@ -75,7 +75,7 @@ def main() -> None:
     for mode in a.modes.split(","):
         kv = mode.endswith("kv-int8")                  # "kv-int8" or "<weights>+kv-int8"
         quantization = mode.split("+")[0] if "+" in mode else (None if kv else mode)
-        toks, model, secs = greedy(loaded, quantization, ps, a.tokens, "int8" if kv else None)
+        toks, model, secs = greedy(loaded, quantization, ps, a.tokens, "int8" if kv else "model")
         r = compare(ref_model, model, ps, ref_tokens, toks, kv_int8=kv)
         r["weight_bytes"] = weight_bytes(model)
         res["modes"][mode] = r

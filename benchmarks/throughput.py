@@ -64,7 +64,7 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
     cfg = dict(dtype="float32", page_size=16, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
                batch_invariant=name == "inv", enable_prefix_caching=not nopc, weight_codes=not floats,
-               kv_cache_dtype="int8" if kv8 else None,
+               kv_cache_dtype="int8" if kv8 else "model",
                num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
     if ladder == "tuned":
         slots = [n for n in range(2, budget // 32 + 1, 2)] or [1]

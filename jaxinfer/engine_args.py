@@ -83,8 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the rest when first needed (lazy, generate's default)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of every matmul weight at load time")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
-                   help="KV pages: the model's dtype (auto) or int8 with a scale per token and head")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "model", "int8"], default="auto",
+                   help="KV pages: int8 with a scale per token and head, or the model's dtype "
+                        "(model); auto: int8 when --quantization is set, else the model's dtype")
     p.add_argument("--offload-weights", choices=["none", "host"], default="none",
                    help="host: layers whose weights exceed --device-weight-memory stay in host memory "
                         "and are streamed to the device a layer ahead of use")
@@ -187,7 +188,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         data_parallel_size=args.data_parallel_size, quantization=args.quantization,
         pipeline_parallel_size=args.pipeline_parallel_size, offload_weights=args.offload_weights,
         device_weight_memory=args.device_weight_memory,
-        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prompt_logprobs=args.enable_prompt_logprobs, min_sampler_rows=args.min_sampler_rows,
         layer_loop=args.layer_loop, weight_codes=args.weight_codes,
         **speculative_options(args),

@@ -159,7 +159,7 @@ def test_quantized_engine_equals_reference(tiny, mode):
     """int8/int4 weights work for Gemma 3: the engine (batched, chunked) gives the tokens the
     reference generator gives alone on the same quantized model."""
     _, loaded, prompts = tiny
-    eng = Engine(loaded=loaded, progress=False, quantization=mode, **ENGINE_KW)
+    eng = Engine(loaded=loaded, progress=False, quantization=mode, kv_cache_dtype="model", **ENGINE_KW)
     got = [o.outputs[0].token_ids for o in eng.generate(prompts, SHORT)]
     ref = ReferenceGenerator(eng.loaded.model)
     want = [ref.generate([q], [SHORT], [0], pad_to=128)[0].token_ids for q in prompts]

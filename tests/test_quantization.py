@@ -29,7 +29,7 @@ def tiny():
 def test_quantized_engine_equals_reference_on_the_same_weights(tiny, mode):
     """The engine's quantized step (batched, chunked) gives exactly the tokens the reference
     generator gives alone on the same quantized weights; the caller's model stays float."""
-    eng = Engine(loaded=tiny, progress=False, quantization=mode, **ENGINE_KW)
+    eng = Engine(loaded=tiny, progress=False, quantization=mode, kv_cache_dtype="model", **ENGINE_KW)
     assert is_quantized(eng.loaded.model) and not is_quantized(tiny.model)
     got = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
     ref = ReferenceGenerator(eng.loaded.model)
@@ -37,6 +37,12 @@ def test_quantized_engine_equals_reference_on_the_same_weights(tiny, mode):
     assert got == want
     st = eng.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
+    assert st["kv_cache_dtype"] == "float32"
+    # by default quantized weights come with int8 KV pages (config.kv_cache_dtype); on
+    # this model their tokens are the float pages' (asserted for int8 pages alone below)
+    default = Engine(loaded=tiny, progress=False, quantization=mode, **ENGINE_KW)
+    assert default.stats()["kv_cache_dtype"] == "int8"
+    assert [o.outputs[0].token_ids for o in default.generate(PROMPTS, GREEDY)] == want
 
 
 def test_quantized_weight_bytes(tiny):
@@ -193,6 +199,19 @@ def test_kv_cache_dtype_errors():
     assert dispatch.select("auto", "tpu", kv_quantized=True)[0] == "pallas-tpu"
     from pallas_kernels.attention import cpu as cpu_attention
     assert dispatch.select("auto", "cpu", kv_quantized=True)[0] == ("cpp" if cpu_attention.available() else "xla")
+
+
+def test_kv_cache_dtype_auto_follows_the_weights():
+    """"auto" (None) stores int8 pages exactly when the weights are quantized; "model" and
+    "int8" are what they say whatever the weights (config.kv_cache_dtype)."""
+    from jaxinfer.config import kv_cache_dtype
+
+    for q in (None, "int8", "int4"):
+        want_auto = None if q is None else "int8"
+        assert kv_cache_dtype(EngineConfig(quantization=q)) == want_auto
+        assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="auto")) == want_auto
+        assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="model")) is None
+        assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="int8")) == "int8"
 
 
 @pytest.mark.parametrize("V,step", [(256, 64), (272, 64), (272, 4096)])

@@ -622,6 +622,7 @@ class Engine:
             **(self.speculator.stats() if self.speculator else {}),
             **self.warmup_status(),
             "kernels": self.kernels(),
+            "kv_cache_dtype": np.dtype(self.runner.spec.dtype).name,   # "int8": quantized pages
         }
 
     def kernels(self) -> dict[str, str]:

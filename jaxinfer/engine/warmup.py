@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.batch import Bucket, BucketLadders
-from jaxinfer.engine.memory import trim_heap
+from jaxinfer.engine.memory import release_code_pages, trim_heap
 
 log = logging.getLogger("jaxinfer")
 
@@ -101,8 +101,10 @@ class BucketCompiler:
                 return
             t0 = time.perf_counter()
             runner.compile_bucket(b)
-            # the compiler's freed scratch back to the system (memory.trim_heap: why)
+            # the compiler's freed scratch and its code pages back to the system
+            # (memory.trim_heap, memory.release_code_pages: why)
             trim_heap()
+            release_code_pages()
             self.seconds += time.perf_counter() - t0
         if self.progress is not None:
             self.progress(self.num_compiled, self.total)

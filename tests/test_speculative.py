@@ -239,6 +239,24 @@ def test_self_int4_draft_on_the_cpu_kernel(tiny, plain):
     _no_leak(eng)
 
 
+def test_self_on_an_int8_target_reads_its_int8_pages(tiny):
+    """An int8 target keeps int8 KV pages by default (config.kv_cache_dtype) and 'self'
+    drafts (int4 by default) on those very pages: greedy output is the plain int8 engine's,
+    batched and alone, with drafts accepted; nothing compiles after warm-up; no leak."""
+    plain8 = Engine(loaded=tiny, **KW, quantization="int8")
+    eng = Engine(loaded=tiny, **KW, quantization="int8", speculative_method="self", **COMMON)
+    assert plain8.stats()["kv_cache_dtype"] == eng.stats()["kv_cache_dtype"] == "int8"
+    prompts = _prompts(4)
+    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain8.generate(prompts, ps)
+    _same(want[:1], eng.generate(prompts[:1], ps), "alone")
+    outs, compiles = run_with_arrivals(eng, prompts, [ps] * len(prompts), np.random.RandomState(2), "q8", 2)
+    assert compiles == 0
+    _same(want, [outs[f"q8{i}"] for i in range(len(prompts))], "batched")
+    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+    _no_leak(eng)
+
+
 def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatch):
     """'self' keeps no KV pool of its own: its multi-step decode runs on the target's pages
     (spec_draft.own_pool: it never allocates one), so it never catches up on a prompt and compiles no

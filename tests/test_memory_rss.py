@@ -92,6 +92,16 @@ def test_warmup_trims_the_heap_after_every_compile(monkeypatch):
     c.compile_rest()
     n = len(lad.all_buckets())
     assert c.is_warm and len(runner.compiled) == n
-    # once per bucket, right after it compiled
+    # the heap: once per bucket, right after it compiled; code pages: after the first
+    # buckets and once warm (a blocking warm-up), or after every bucket while it serves
     assert calls == list(range(1, n + 1))
-    assert released == list(range(1, n + 1))
+    first = len(warmup.priority_order(lad)[0])
+    assert released == [first, n]
+    calls.clear(), released.clear()
+    runner.compiled.clear()
+    c = warmup.BucketCompiler([runner], lad)
+    c.compile_first()
+    c.start()
+    assert c.wait(10)
+    assert calls == list(range(1, n + 1))
+    assert released == [first] + list(range(first + 1, n + 1)) + [n]

@@ -214,6 +214,20 @@ def test_greedy_identical_alone_and_batched(plain, spec):
     _no_leak(spec)
 
 
+def _greedy_as_plain_alone_and_batched(eng: Engine, plain: Engine, seed: int) -> dict:
+    """4 prompts x 40 greedy tokens: ``eng`` gives ``plain``'s tokens alone and with
+    requests arriving mid-run, compiles nothing, leaks no page; returns ``eng.stats()``."""
+    prompts = _prompts(4)
+    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain.generate(prompts, ps)
+    _same(want[:1], eng.generate(prompts[:1], ps), "alone")
+    outs, compiles = run_with_arrivals(eng, prompts, [ps] * len(prompts), np.random.RandomState(seed), "r", 2)
+    assert compiles == 0
+    _same(want, [outs[f"r{i}"] for i in range(len(prompts))], "batched")
+    _no_leak(eng)
+    return eng.stats()
+
+
 def test_self_int4_draft_on_the_cpu_kernel(tiny, plain):
     """'self' with speculative_quantization='int4' on CPU: every layer's weights become the
     C++ kernel's 4-bit panels (float16 scales and offsets), the LM head int8; greedy
@@ -227,16 +241,8 @@ def test_self_int4_draft_on_the_cpu_kernel(tiny, plain):
     draft = eng.speculator.proposer.runner
     kinds = {(leaf.dtype.name, leaf.ndim) for leaf in draft.state_leaves}
     assert ("float16", 3) in kinds or ("float16", 4) in kinds, kinds       # the panels' scales
-    prompts = _prompts(4)
-    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = plain.generate(prompts, ps)
-    _same(want[:1], eng.generate(prompts[:1], ps), "alone")
-    outs, compiles = run_with_arrivals(eng, prompts, [ps] * len(prompts), np.random.RandomState(1), "i4", 2)
-    assert compiles == 0
-    _same(want, [outs[f"i4{i}"] for i in range(len(prompts))], "batched")
-    st = eng.stats()
+    st = _greedy_as_plain_alone_and_batched(eng, plain, seed=1)
     assert st["spec_decode_num_accepted_tokens"] > 40, st
-    _no_leak(eng)
 
 
 def test_self_on_an_int8_target_reads_its_int8_pages(tiny):
@@ -246,15 +252,8 @@ def test_self_on_an_int8_target_reads_its_int8_pages(tiny):
     plain8 = Engine(loaded=tiny, **KW, quantization="int8")
     eng = Engine(loaded=tiny, **KW, quantization="int8", speculative_method="self", **COMMON)
     assert plain8.stats()["kv_cache_dtype"] == eng.stats()["kv_cache_dtype"] == "int8"
-    prompts = _prompts(4)
-    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = plain8.generate(prompts, ps)
-    _same(want[:1], eng.generate(prompts[:1], ps), "alone")
-    outs, compiles = run_with_arrivals(eng, prompts, [ps] * len(prompts), np.random.RandomState(2), "q8", 2)
-    assert compiles == 0
-    _same(want, [outs[f"q8{i}"] for i in range(len(prompts))], "batched")
-    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
-    _no_leak(eng)
+    st = _greedy_as_plain_alone_and_batched(eng, plain8, seed=2)
+    assert st["spec_decode_num_accepted_tokens"] > 0, st
 
 
 def test_self_draft_reads_the_targets_kv_pool(plain, tiny, draft_dir, monkeypatch):

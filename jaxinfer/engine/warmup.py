@@ -101,10 +101,13 @@ class BucketCompiler:
                 return
             t0 = time.perf_counter()
             runner.compile_bucket(b)
-            # the compiler's freed scratch and its code pages back to the system
-            # (memory.trim_heap, memory.release_code_pages: why)
+            # the compiler's freed scratch back to the system (memory.trim_heap: why); and
+            # while the engine serves, the compiler's code pages too, after each bucket
+            # (memory.release_code_pages: why; ~20-30 ms, so not after each of a blocking
+            # warm-up's buckets: once at its end)
             trim_heap()
-            release_code_pages()
+            if self._thread is not None:
+                release_code_pages()
             self.seconds += time.perf_counter() - t0
         if self.progress is not None:
             self.progress(self.num_compiled, self.total)
@@ -114,6 +117,7 @@ class BucketCompiler:
         for r, first, _ in self.jobs:
             for b in first:
                 self._compile(r, b)
+        release_code_pages()
 
     def compile_rest(self) -> None:
         """Every other bucket, in the caller's thread; then the engine is warm."""
@@ -127,6 +131,7 @@ class BucketCompiler:
             self.error = e
             log.exception("compiling buckets failed")
             return
+        release_code_pages()
         self._done.set()
         log.info("warm: %d buckets compiled in %.1fs", self.total, self.seconds)
 

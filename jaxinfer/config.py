@@ -49,8 +49,9 @@ def kv_cache_dtype(c: "EngineConfig") -> str | None:
     (the model's dtype). "auto" stores int8 pages when the weights are quantized: a user who
     asks for quantized weights asks for a small footprint, and at the default model's
     32-request workload float32 pages are 0.36 GB, int8 pages 0.09 GB (the int8 server
-    peaks at 0.63-0.67 GB instead of 0.88-0.94); int8 pages add ~0.0008 to the int8
-    weights' mean KL of 0.0037 (RESULTS.md "Start-up beside llama.cpp and vLLM").
+    peaks at 565-619 MiB instead of ~0.9 GB: RESULTS.md "int8 KV pages by default"); int8
+    pages add ~0.0008 to the int8 weights' mean KL of 0.0037 (RESULTS.md "Start-up beside
+    llama.cpp and vLLM").
     ``kv_cache_dtype="model"`` keeps the model's dtype."""
     d = c.kv_cache_dtype
     if d in (None, "auto"):

@@ -21,9 +21,10 @@ log = logging.getLogger("jaxinfer")
 # XLA:CPU's LLVM backend at -O1 instead of its default -O2: step executables compile ~5-10%
 # faster with the same step times and the same bits (benchmarks/RESULTS.md, "CI time and
 # compile options"; without fast-math neither level may reassociate a float sum).
-# Code generation in one module instead of 32 parts: each loaded executable keeps its
-# parts' object code resident, ~10% less with one (the default model's 27 step shapes:
-# 67 -> 60 MiB), compile time unchanged on 2 cores (RESULTS.md "int8 KV pages by default").
+# Code generation in one module instead of 32 parts: each loaded step executable holds
+# ~10% less memory (the default model's 27 step shapes: 67 -> 60 MiB; measured, not traced
+# to which structure), compile time not worse on 2 cores (RESULTS.md "int8 KV pages by
+# default").
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1, "xla_cpu_parallel_codegen_split_count": 1}
 
 

@@ -77,6 +77,13 @@ async def send_one(client: Any, path: str, body: dict, run_start: float) -> Requ
                     clock.tokens(seen, time.perf_counter())
         res.latency = time.perf_counter() - sent
         res.ok = seen > 0
+        if res.ok and res.output_tokens > seen and clock.last is not None:
+            # a chunk carried several tokens (the server coalesces a step's output when the
+            # client reads late, as under load): count the missing ones at the last text
+            # chunk, with no gap (where in the stream they came is not known),
+            # as TokenClock does for tokens that come with the first, so every request has
+            # output_tokens - 1 ITLs however the stream chunks
+            clock.tokens(res.output_tokens, clock.last)
         res.output_tokens = res.output_tokens or seen
         if not res.ok:
             res.error = "no text streamed"

@@ -82,8 +82,11 @@ WEIGHT_CODES = True    # --no-weight-codes: float32 targets keep their floats (E
 def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
     from jaxinfer.engine.engine import Engine
 
+    # KV pages in the model's dtype for plain and speculating engines alike: what "auto"
+    # gives a speculating engine (config.kv_cache_dtype), so both sides of a ratio match
     return Engine(loaded=loaded, progress=False, quantization=quant, max_num_seqs=max_num_seqs,
-                  max_model_len=1024, enable_prefix_caching=False, weight_codes=WEIGHT_CODES, **spec)
+                  max_model_len=1024, enable_prefix_caching=False, weight_codes=WEIGHT_CODES,
+                  kv_cache_dtype="model", **spec)
 
 
 def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:

@@ -202,8 +202,8 @@ def test_kv_cache_dtype_errors():
 
 
 def test_kv_cache_dtype_auto_follows_the_weights():
-    """"auto" (None) stores int8 pages exactly when the weights are quantized; "model" and
-    "int8" are what they say whatever the weights (config.kv_cache_dtype)."""
+    """"auto" (None) stores int8 pages exactly when the weights are quantized and nothing
+    speculates; "model" and "int8" are what they say (config.kv_cache_dtype)."""
     from jaxinfer.config import kv_cache_dtype
 
     for q in (None, "int8", "int4"):
@@ -212,6 +212,10 @@ def test_kv_cache_dtype_auto_follows_the_weights():
         assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="auto")) == want_auto
         assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="model")) is None
         assert kv_cache_dtype(EngineConfig(quantization=q, kv_cache_dtype="int8")) == "int8"
+        # speculation asks for speed: "auto" keeps the model's dtype
+        assert kv_cache_dtype(EngineConfig(quantization=q, speculative_method="ngram")) is None
+        assert kv_cache_dtype(EngineConfig(quantization=q, speculative_method="ngram",
+                                           kv_cache_dtype="int8")) == "int8"
 
 
 @pytest.mark.parametrize("V,step", [(256, 64), (272, 64), (272, 4096)])

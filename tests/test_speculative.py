@@ -246,11 +246,13 @@ def test_self_int4_draft_on_the_cpu_kernel(tiny, plain):
 
 
 def test_self_on_an_int8_target_reads_its_int8_pages(tiny):
-    """An int8 target keeps int8 KV pages by default (config.kv_cache_dtype) and 'self'
-    drafts (int4 by default) on those very pages: greedy output is the plain int8 engine's,
-    batched and alone, with drafts accepted; nothing compiles after warm-up; no leak."""
+    """An int8 target with int8 KV pages (asked for: a speculating engine keeps float pages
+    by default, config.kv_cache_dtype) and 'self' drafting (int4 by default) on those very
+    pages: greedy output is the plain int8 engine's, batched and alone, with drafts
+    accepted; nothing compiles after warm-up; no leak."""
     plain8 = Engine(loaded=tiny, **KW, quantization="int8")
-    eng = Engine(loaded=tiny, **KW, quantization="int8", speculative_method="self", **COMMON)
+    eng = Engine(loaded=tiny, **KW, quantization="int8", kv_cache_dtype="int8", speculative_method="self",
+                 **COMMON)
     assert plain8.stats()["kv_cache_dtype"] == eng.stats()["kv_cache_dtype"] == "int8"
     st = _greedy_as_plain_alone_and_batched(eng, plain8, seed=2)
     assert st["spec_decode_num_accepted_tokens"] > 0, st

@@ -625,7 +625,8 @@ class EngineConfig:
     quantization: str | None = None
     # KV pages: "int8" = int8 values + an f32 scale per token and KV head
     # (engine/kv_cache.py QuantizedPages); "model" = the model's dtype; None ("auto") = int8
-    # when the weights are quantized, else the model's dtype (``kv_cache_dtype`` below: why).
+    # when the weights are quantized and nothing speculates, else the model's dtype
+    # (``kv_cache_dtype`` above: why).
     kv_cache_dtype: str | None = None
     # Multi-step decode (vLLM's num_scheduler_steps): when every running sequence is
     # decoding and nobody waits for admission, run up to this many decode steps in one
@@ -727,7 +728,8 @@ class EngineConfig:
         _check_pipeline(self)
         _check_offload(self)
         _require(self.kv_cache_dtype in (None, "auto", "model", "int8"), "kv_cache_dtype",
-                 f"must be None / 'auto' (int8 with quantized weights, else the model's dtype), "
+                 f"must be None / 'auto' (int8 with quantized weights unless speculating, else the "
+                 f"model's dtype), "
                  f"'model' or 'int8', got {self.kv_cache_dtype!r}")
         _require(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
                  "quantization with tensor_parallel_size > 1 is not supported yet (the quantized "

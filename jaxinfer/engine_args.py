@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of every matmul weight at load time")
     p.add_argument("--kv-cache-dtype", choices=["auto", "model", "int8"], default="auto",
                    help="KV pages: int8 with a scale per token and head, or the model's dtype "
-                        "(model); auto: int8 when --quantization is set, else the model's dtype")
+                        "(model); auto: int8 when --quantization is set and no --speculative-method, "
+                        "else the model's dtype")
     p.add_argument("--offload-weights", choices=["none", "host"], default="none",
                    help="host: layers whose weights exceed --device-weight-memory stay in host memory "
                         "and are streamed to the device a layer ahead of use")

@@ -753,6 +753,55 @@ class EngineConfig:
 SPECULATIVE_METHODS = ("ngram", "self", "draft")
 DRAFT_METHODS = ("self", "draft")        # those that run a draft model
 
+# vLLM's ``speculative_config`` keys -> EngineConfig fields (speculative_fields). "draft_layers"
+# is ours ('self' drafting with the first layers); "draft_tensor_parallel_size" is accepted as 1.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method", "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "ngram_prompt_lookup_max", "prompt_lookup_min": "ngram_prompt_lookup_min",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+    "quantization": "speculative_quantization", "draft_layers": "speculative_draft_layers",
+}
+# vLLM's method names (and ours) -> speculative_method; vLLM's trained heads (eagle, medusa,
+# mtp, ...) need weights no checkpoint here carries
+_SPECULATIVE_CONFIG_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "self": "self"}
+
+
+def speculative_fields(spec: Any) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` (e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_max": 4}``, or ``{"model": PATH, ...}`` for a draft model) as EngineConfig
+    fields; the values are checked by EngineConfig itself. ValueError naming an unknown key,
+    an unsupported method or a draft tensor-parallel size other than 1."""
+    _require(isinstance(spec, Mapping), "speculative_config",
+             f"expected an object of speculative settings, got {type(spec).__name__}")
+    known = (*SPECULATIVE_CONFIG_KEYS, "draft_tensor_parallel_size")
+    unknown = sorted(map(str, set(spec) - set(known)))
+    _require(not unknown, "speculative_config", f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    _require(spec.get("draft_tensor_parallel_size") in (None, 1), "speculative_config.draft_tensor_parallel_size",
+             f"the draft runs on one device: must be 1, got {spec.get('draft_tensor_parallel_size')!r}")
+    method = spec.get("method") or ("draft_model" if spec.get("model") is not None else None)
+    _require(method in _SPECULATIVE_CONFIG_METHODS, "speculative_config.method",
+             f"must be one of {', '.join(map(repr, _SPECULATIVE_CONFIG_METHODS))} (or give 'model' for a "
+             f"draft model), got {method!r}: methods that need trained draft heads (eagle, medusa, "
+             "mtp) are not supported")
+    out = {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items() if k in SPECULATIVE_CONFIG_KEYS}
+    out["speculative_method"] = _SPECULATIVE_CONFIG_METHODS[method]
+    return out
+
+
+def with_speculative_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    """EngineConfig keyword arguments with ``speculative_config`` (vLLM's dict) replaced by
+    the fields it sets; ValueError where a field is also given on its own (which one wins
+    would be a guess)."""
+    out = dict(options)
+    spec = out.pop("speculative_config")
+    if spec is None:
+        return out
+    fields = speculative_fields(spec)
+    both = sorted(set(fields) & {k for k, v in out.items() if v is not None})
+    _require(not both, "speculative_config", f"also given on its own: {', '.join(both)}; give each setting once")
+    return {**out, **fields}
+
 
 def _check_offload(c: "EngineConfig") -> None:
     _require(c.offload_weights in ("none", "host"), "offload_weights",

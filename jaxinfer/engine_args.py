@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
-from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+from jaxinfer.config import DEFAULT_WEIGHT_CACHE, speculative_fields
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
 
@@ -71,6 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no speculation while more sequences than this run")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4}\' (methods ngram, self, draft_model; keys model, '
+                        'prompt_lookup_min, disable_by_batch_size, quantization, draft_layers): its '
+                        'keys override the flags above; not with --speculative-method')
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
     # (the config's own "~/..." default: a process that chose another default keeps it)
@@ -208,6 +214,16 @@ def speculative_options(args: argparse.Namespace) -> dict:
     out = {n: getattr(args, n) for n in names if hasattr(args, n)}
     if out.get("speculative_quantization") == "none":
         out["speculative_quantization"] = None
+    text = getattr(args, "speculative_config", None)
+    if text:
+        if out.get("speculative_method"):
+            raise ValueError("--speculative-config and --speculative-method: give one of them "
+                             "(the config names its method)")
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config: not valid JSON ({e.msg})") from None
+        out.update(speculative_fields(spec))
     return out
 
 

@@ -99,8 +99,9 @@ def draft_dir(tiny, tmp_path_factory):
 
 
 def method_options(method: str, draft_dir: str, self_layers: int | None = 1) -> dict:
-    if method == "ngram":
-        return dict(speculative_method="ngram", ngram_prompt_lookup_min=1, **COMMON)
+    if method == "ngram":       # in vLLM's form: every ngram engine test also runs through it
+        return dict(speculative_config={"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": K,
+                                        "disable_by_batch_size": COMMON["speculative_disable_by_batch_size"]})
     if method == "self":    # int8, the tiny target's first layer
         return dict(speculative_method="self", speculative_draft_layers=self_layers, **COMMON)
     return dict(speculative_method="draft", speculative_model=draft_dir, speculative_quantization=None, **COMMON)
@@ -173,6 +174,47 @@ def test_config_refuses_unsupported():
         EngineConfig(speculative_method="ngram", ngram_prompt_lookup_min=5, ngram_prompt_lookup_max=2)
     with pytest.raises(ValueError, match="would draft with the target itself"):
         EngineConfig(speculative_method="self", quantization="int8", speculative_quantization="int8")
+
+
+def test_vllm_speculative_config():
+    """vLLM's ``speculative_config`` (Engine keyword, ``--speculative-config`` JSON) names the
+    same settings as the speculative_* fields; unknown keys, trained-head methods, a second
+    draft device and a setting given twice are refused by name."""
+    from jaxinfer.config import speculative_fields, with_speculative_config
+    from jaxinfer.engine_args import engine_config
+    from serving.cli import build_parser
+
+    native = EngineConfig(speculative_method="ngram", num_speculative_tokens=5, ngram_prompt_lookup_max=3,
+                          ngram_prompt_lookup_min=1, speculative_disable_by_batch_size=4)
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "disable_by_batch_size": 4}
+    assert EngineConfig(**with_speculative_config({"speculative_config": spec})) == native
+    assert speculative_fields({"model": "/d", "quantization": None}) == dict(
+        speculative_method="draft", speculative_model="/d", speculative_quantization=None)
+    assert speculative_fields({"method": "self", "quantization": "int8", "draft_layers": 2,
+                               "draft_tensor_parallel_size": 1}) == dict(
+        speculative_method="self", speculative_quantization="int8", speculative_draft_layers=2)
+    for bad, what in (({"method": "eagle", "model": "/e"}, "eagle"), ({"method": "ngram", "k": 3}, "unknown key"),
+                      ({"num_speculative_tokens": 3}, "method"), ([1], "expected an object"),
+                      ({"method": "draft_model", "model": "/d", "draft_tensor_parallel_size": 2}, "one device")):
+        with pytest.raises(ValueError, match=what):
+            speculative_fields(bad)
+    with pytest.raises(ValueError, match="also given on its own: num_speculative_tokens"):
+        with_speculative_config({"speculative_config": spec, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        Engine(speculative_config={"method": "medusa"})        # refused before anything loads
+
+    def cli(*flags):
+        return engine_config(build_parser().parse_args(["generate", "x", *flags]), default_max_seqs=1)
+
+    cfg = cli("--speculative-config", json.dumps(spec))
+    assert [getattr(cfg, f) for f in ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
+                                      "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")] == \
+        ["ngram", 5, 3, 1, 4]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        cli("--speculative-config", "{method: ngram}")
+    with pytest.raises(ValueError, match="give one of them"):
+        cli("--speculative-config", json.dumps(spec), "--speculative-method", "ngram")
 
 
 def test_auto_draft_quantization():

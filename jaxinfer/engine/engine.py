@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.config import (DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams,
+                             with_speculative_config)
 from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
@@ -58,6 +59,8 @@ class Engine:
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        if "speculative_config" in overrides:      # vLLM's form of the speculative_* fields
+            overrides = with_speculative_config(overrides)
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
         map_large_blocks()          # freed large buffers go back to the system (memory.py)

@@ -4,9 +4,10 @@ Every matmul weight of the model (q/k/v/o, gate/up/down, the LM head) becomes a
 ``QuantizedWeight`` (pallas_kernels/quantized_matmul/): int8 with one scale per output
 channel, or int4 packed two per byte with one scale per group of rows along K. The
 embedding table stays in the model dtype (it is gathered, not multiplied). The model's
-``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU int8 goes
+``mm`` hook takes either kind of weight: on TPU / GPU the Pallas kernel; on CPU both go
 to the C++ kernel (pallas_kernels/quantized_matmul/cpu.py; weights packed in its panels
-here) and int4 to XLA (dequantize, then the dot; see jaxinfer/matmul.py).
+here; int4 there is affine per 32 rows with the LM head int8: ``_weight_quantizer``), or,
+without that kernel, to XLA (dequantize, then the dot; see jaxinfer/matmul.py).
 
 Why our own ~40 lines and not qwix / aqt: the kernels read one specific packed layout
 (K-packed nibbles, f32 scales per group), and our matmuls are one explicit hook rather
@@ -50,24 +51,19 @@ def check_mode(mode: str | None) -> int | None:
     return MODES[mode]
 
 
-def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False,
-                   int4_panels: bool = False) -> nnx.Module:
+def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False) -> nnx.Module:
     """A module whose matmul weights are quantized: a new one sharing the given one's other
     weights, or (``in_place``) the given one, each float weight freed as soon as its
-    quantized form exists (a load then never holds two copies of the weights).
-    ``int4_panels`` (int4 on CPU, a speculative draft's): weights the CPU kernel's 4-bit
-    panels fit take that form (affine per 32 rows, int16 activations; see
-    pallas_kernels/quantized_matmul/cpu.quantize_int4), the rest the symmetric int4."""
+    quantized form exists (a load then never holds two copies of the weights). int4 where
+    the CPU kernel runs: see ``_weight_quantizer`` and ``head_bits``."""
     bits = check_mode(mode)
     if bits is None:
         return model
     if not getattr(type(model), "quantization", True):
         raise ValueError(f"quantization: {mode} weights are not supported for {model.cfg.architecture} "
                          "(mixture-of-experts weights are not quantized yet); run it unquantized")
-    quantized = _weight_quantizer(model.cfg, bits, int4_panels)
-    # a draft's LM head stays int8 (4 bits would lose most of a Q8_0 table's precision
-    # for ~a fifth of the bytes: acceptance fell 94% -> 79% with it, RESULTS.md)
-    head = _weight_quantizer(model.cfg, 8) if int4_panels and bits == 4 else quantized
+    quantized = _weight_quantizer(model.cfg, bits)
+    head = _weight_quantizer(model.cfg, head_bits(bits))
     model = model if in_place else _shallow_copy(model)
     heads = {id(v) for v in _matmul_params(model, ("lm_head",))}
     for param in _matmul_params(model, MATMUL_WEIGHTS):
@@ -76,15 +72,30 @@ def quantize_model(model: nnx.Module, mode: str | None, in_place: bool = False,
     return fuse_projections(model)
 
 
-def _weight_quantizer(cfg: Any, bits: int, int4_panels: bool = False) -> Callable[[jax.Array], Any]:
+def head_bits(bits: int) -> int:
+    """The LM head's bits for a model quantized to ``bits``: int8 for int4 where the CPU
+    kernel's 4-bit panels run (4 bits lose most of a Q8_0 / Q6_K table's precision for
+    ~a fifth of the bytes: a 'self' draft's acceptance fell 94% -> 79% with a 4-bit head,
+    RESULTS.md "A 4-bit draft"; llama.cpp's Q4 formats keep the output tensor wider too),
+    else ``bits``."""
+    from jaxinfer.matmul import int4_kernel_available
+
+    return 8 if bits == 4 and int4_kernel_available() else bits
+
+
+def _weight_quantizer(cfg: Any, bits: int) -> Callable[[jax.Array], Any]:
     """One float matmul weight -> its quantized form, laid out for this backend's kernel
-    (the one rule quantize_model and weight_finisher share)."""
+    (the one rule quantize_model and weight_finisher share). int4 on CPU: weights the C++
+    kernel's 4-bit panels fit take that form (affine per 32 rows, the GGUF Q4_1 scheme, so
+    a Q4_1 checkpoint's codes come back exactly; pallas_kernels/quantized_matmul/cpu.py
+    quantize_int4); elsewhere, and for weights they do not fit, the symmetric int4 per group
+    (accelerators' kernels; on CPU XLA's convert-then-dot, ~10x slower)."""
     from jaxinfer.matmul import int4_kernel_applies, pack_for_backend
 
     group = (int4_group(cfg) if bits == 4 else 0) or 128
 
     def quantized(w: jax.Array) -> Any:
-        if bits == 4 and int4_panels and int4_kernel_applies(w):
+        if bits == 4 and int4_kernel_applies(w):
             from pallas_kernels.quantized_matmul import cpu as cpu_matmul
             return cpu_matmul.quantize_int4(w)
         return pack_for_backend(_quantize(w, bits, group))
@@ -105,20 +116,20 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
         return _float_finisher(codes) if jax.default_backend() == "cpu" else None
     if not getattr(model_class(cfg.architecture), "quantization", True):
         return None
-    quantized = _weight_quantizer(cfg, bits)
-    shared: dict[str, Any] = {}       # a tied int8 model: the one int8 table (share_tied_table)
+    quantized, head = _weight_quantizer(cfg, bits), _weight_quantizer(cfg, head_bits(bits))
+    shared: dict[str, Any] = {}       # a tied int8 head: the one int8 table (share_tied_table)
 
     def finish(path: str, value: jax.Array) -> Any:
-        if cfg.tie_word_embeddings and bits == 8 and path in ("embed", "lm_head"):
+        if cfg.tie_word_embeddings and head_bits(bits) == 8 and path in ("embed", "lm_head"):
             # both are read from the same checkpoint tensor: quantized once, as the head
             if "head" not in shared:
-                shared["head"] = _head_from_table(value, quantized) if path == "embed" else quantized(value)
+                shared["head"] = _head_from_table(value, head) if path == "embed" else head(value)
             return TiedEmbedding(shared["head"]) if path == "embed" else shared["head"]
         if path == "embed" and codes:
             return coded_table(value)
         if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS:
             return value
-        return quantized(value)
+        return (head if path.rsplit(".", 1)[-1] == "lm_head" else quantized)(value)
 
     return finish
 

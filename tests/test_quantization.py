@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxinfer.config import EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
@@ -29,8 +31,12 @@ def tiny():
 def test_quantized_engine_equals_reference_on_the_same_weights(tiny, mode):
     """The engine's quantized step (batched, chunked) gives exactly the tokens the reference
     generator gives alone on the same quantized weights; the caller's model stays float."""
+    from jaxinfer.matmul import int4_kernel_available
+
     eng = Engine(loaded=tiny, progress=False, quantization=mode, kv_cache_dtype="model", **ENGINE_KW)
     assert is_quantized(eng.loaded.model) and not is_quantized(tiny.model)
+    if mode == "int4" and int4_kernel_available():      # the C++ kernel's 4-bit panels, not XLA's int4
+        assert eng.loaded.model.layers[0].w_gate_up[...].offsets is not None
     got = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
     ref = ReferenceGenerator(eng.loaded.model)
     want = [ref.generate([p], [GREEDY], [0], pad_to=64)[0].token_ids for p in PROMPTS]
@@ -46,8 +52,12 @@ def test_quantized_engine_equals_reference_on_the_same_weights(tiny, mode):
 
 
 def test_quantized_weight_bytes(tiny):
-    """Matmul weights shrink about 4x (int8) and about 7x (int4, group scales); the float
-    embedding table is kept."""
+    """Matmul weights shrink about 4x (int8) and about 7x (int4, group scales; on CPU with
+    the C++ kernel the layers' 4-bit panels about 6.4x, f16 scale and offset per 32 rows,
+    and the LM head int8); the float embedding table is kept."""
+    from jaxinfer.matmul import int4_kernel_available
+    from jaxinfer.quantization import head_bits
+
     cfg = tiny.config
     f32 = weight_bytes(tiny.model)
     emb = cfg.vocab_size * cfg.hidden_size * 4
@@ -58,7 +68,20 @@ def test_quantized_weight_bytes(tiny):
     q8 = weight_bytes(quantize_model(tiny.model, "int8")) - emb - norms
     q4 = weight_bytes(quantize_model(tiny.model, "int4")) - emb - norms
     assert 3.5 < mats / q8 < 4.0, (mats, q8)
-    assert 6.0 < mats / q4 < 8.0, (mats, q4)
+    if int4_kernel_available():
+        assert head_bits(4) == 8
+        m4 = quantize_model(tiny.model, "int4")
+        head = m4.lm_head.get_value()
+        assert head.bits == 8 and head.offsets is None
+        layers = [v for path, v in nnx.iter_graph(m4.layers) if isinstance(v, nnx.Param) and hasattr(v[...], "q")]
+        assert layers and all(v[...].offsets is not None for v in layers)       # every layer weight: panels
+        for v in layers:
+            K, N = v[...].shape
+            assert sum(x.nbytes for x in jax.tree.leaves(v[...])) == K * N * 5 // 8   # 4 bits + 2 f16 per 32
+        head_f32 = cfg.hidden_size * cfg.vocab_size * 4
+        assert 3.5 < head_f32 / (sum(x.nbytes for x in jax.tree.leaves(head))) < 4.0
+    else:
+        assert 6.0 < mats / q4 < 8.0, (mats, q4)
     assert int4_group(cfg) == 64     # 64 | hidden 64 and MLP 128; 128 does not divide 64
 
 

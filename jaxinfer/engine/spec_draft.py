@@ -111,7 +111,7 @@ def draft_model(config: EngineConfig, target: nnx.Module, target_tokenizer: Any,
     # int4 on CPU: the C++ kernel's 4-bit panels (affine per 32 rows: a Q4_1 checkpoint's
     # own codes, so the draft proposes what the target would). Weights they do not fit
     # keep the symmetric int4 (XLA's slow path).
-    model = quantize_model(model, q, int4_panels=True)
+    model = quantize_model(model, q)
     return model if q else prepare_float_for_cpu(model)
 
 

@@ -73,7 +73,7 @@ def kernel_layout(quantization: str | None, dtype: str) -> dict[str, Any]:
         # the f32 kernel: a quantized model's embedding table kept as codes
         # (quantization.code_embedding)
         layout = {"f32_kernel": cpu_f32_matmul.available()}
-        if quantization == "int8":
+        if quantization in ("int8", "int4"):       # int4: the same kernel's 4-bit panels
             from pallas_kernels.quantized_matmul import cpu as cpu_matmul
             layout["int8_kernel"] = cpu_matmul.available()
         return layout

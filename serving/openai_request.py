@@ -45,23 +45,27 @@ def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
     )
 
 
-def _stream_flags(f: Fields) -> tuple[bool, bool]:
+def _stream_flags(f: Fields) -> dict[str, bool]:
+    """stream, include_usage and continuous_usage (vLLM: usage in every chunk, only with
+    include_usage)."""
     stream = f.bool("stream", False)
     opts = f.obj("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not stream:
             raise bad("stream_options", "is only allowed when stream is true")
-        include_usage = Fields(opts, "stream_options.").bool("include_usage", False)
-        Fields(opts, "stream_options.").bool("continuous_usage_stats", False)
-    return stream, include_usage
+        o = Fields(opts, "stream_options.")
+        include_usage = o.bool("include_usage", False)
+        continuous = o.bool("continuous_usage_stats", False) and include_usage
+    return dict(stream=stream, include_usage=include_usage, continuous_usage=continuous)
 
 
 def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest:
     f = Fields(body)
     model = check_model(f, limits)
     f.reject_if_set("suffix", "suffix / insertion", allowed=("",))
-    stream, include_usage = _stream_flags(f)
+    flags = _stream_flags(f)
+    stream = flags["stream"]
     echo = f.bool("echo", False)
     logprobs = f.int("logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])
     sampling = _common_sampling(f, limits)
@@ -74,8 +78,7 @@ def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenR
     sampling["max_tokens"] = 0 if max_tokens == 0 else resolve_max_tokens(
         max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids), limits, "max_tokens", "prompt")
     params = sampling_params({"beam_width": "best_of"}, logprobs=logprobs, **sampling)
-    return GenRequest("completion", model, prompt_ids, prompt_text, params, stream=stream,
-                      include_usage=include_usage, echo=echo, top_logprobs=logprobs,
+    return GenRequest("completion", model, prompt_ids, prompt_text, params, **flags, echo=echo, top_logprobs=logprobs,
                       prompt_logprobs=f.get("prompt_logprobs") is not None)
 
 
@@ -118,7 +121,7 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     if mods is not None and mods != ["text"]:
         raise bad("modalities", "only [\"text\"] is supported", code="unsupported")
     f.reject_if_set("use_beam_search", "beam search on chat completions (use /v1/completions)")
-    stream, include_usage = _stream_flags(f)
+    flags = _stream_flags(f)
     want = f.bool("logprobs", False)
     top = f.int("top_logprobs", None, bound=SamplingParams.BOUNDS["logprobs"])
     if top is not None and top > 0 and not want:
@@ -148,7 +151,7 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     sampling["max_tokens"] = resolve_max_tokens(max_tokens, None, len(ids), limits, max_param, "messages")
     k = (top or 0) if want else None
     params = sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
-    return GenRequest("chat", model, ids, "", params, stream=stream, include_usage=include_usage,
+    return GenRequest("chat", model, ids, "", params, **flags,
                       top_logprobs=k, tools=tool_spec)
 
 

@@ -99,16 +99,18 @@ class OpenAIStreamer:
         self.tracker = DeltaTracker(req.params.n)
         self.offsets = [len(req.prompt_text) if req.echo else 0] * req.params.n
         self.held: dict[int, str] = {}      # chat with tools: each choice's text until it ends
+        self.out: RequestOutput | None = None   # the output the chunks being built come from
 
     def _chunk(self, choices: list[dict]) -> dict:
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
         c = {"id": completion_id(self.req), "object": kind, "created": self.req.created,
              "model": self.req.model, "choices": choices}
-        if self.req.include_usage:
-            c["usage"] = None
+        if self.req.include_usage:      # continuous: the tokens so far, as vLLM reports them
+            c["usage"] = output_usage(self.req, self.out) if self.req.continuous_usage else None
         return c
 
     def chunks(self, out: RequestOutput) -> list[dict]:
+        self.out = out
         res = []
         for d in self.tracker.deltas(out):
             if self.req.kind == "chat":

@@ -25,6 +25,7 @@ class GenRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False   # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     echo: bool = False
     top_logprobs: int | None = None   # None: no logprobs in the response; k: chosen + top k
     tgi_details: bool = False

@@ -138,6 +138,16 @@ def test_streaming_equals_non_streamed(server, client, stop):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
+    # vLLM's continuous_usage_stats: every chunk carries the tokens so far (never fewer than
+    # the previous chunk's, never more than the final count)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                                 stop=stop, stream=True, stream_options={
+                                                     "include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens and counts[0] < counts[-1]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
 
 def test_stream_ends_with_done(server):
     with httpx.Client(base_url=server.url, timeout=10) as c:

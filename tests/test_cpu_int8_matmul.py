@@ -246,7 +246,7 @@ def test_int4_panels_match_reference_and_are_batch_invariant(K, N):
     f4 = C.quantize_int4(f)
     step = np.repeat(np.asarray(f4.scales, np.float32).transpose(1, 0, 2).reshape(K // 32, N), 32, 0)
     assert (np.abs(np.asarray(C.dequantize_int4(f4)) - np.asarray(f)) <= 0.51 * step + 1e-3).all()
-    for M in (1, 2, 4, 7):
+    for M in (1, 2, 3, 4, 7):     # 1 row: byte halves; 2-3 row tiles: widened codes (same bits)
         x = _x(M, K, seed=M)
         want = np.asarray(x @ C.dequantize_int4(w4))
         got = np.asarray(C.int4_matmul(x, w4))

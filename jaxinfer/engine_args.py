@@ -88,7 +88,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "request needs then the rest in the background (serve's default), or "
                         "the rest when first needed (lazy, generate's default)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
-                   help="weight-only quantization of every matmul weight at load time")
+                   help="weight-only quantization of every matmul weight at load time: int8 per output "
+                        "channel; int4 on CPU as GGUF's Q4_1 (per 32 rows, the LM head int8), elsewhere "
+                        "symmetric per group")
     p.add_argument("--kv-cache-dtype", choices=["auto", "model", "int8"], default="auto",
                    help="KV pages: int8 with a scale per token and head, or the model's dtype "
                         "(model); auto: int8 when --quantization is set and no --speculative-method, "

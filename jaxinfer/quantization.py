@@ -116,11 +116,12 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
         return _float_finisher(codes) if jax.default_backend() == "cpu" else None
     if not getattr(model_class(cfg.architecture), "quantization", True):
         return None
-    quantized, head = _weight_quantizer(cfg, bits), _weight_quantizer(cfg, head_bits(bits))
+    hb = head_bits(bits)
+    quantized, head = _weight_quantizer(cfg, bits), _weight_quantizer(cfg, hb)
     shared: dict[str, Any] = {}       # a tied int8 head: the one int8 table (share_tied_table)
 
     def finish(path: str, value: jax.Array) -> Any:
-        if cfg.tie_word_embeddings and head_bits(bits) == 8 and path in ("embed", "lm_head"):
+        if cfg.tie_word_embeddings and hb == 8 and path in ("embed", "lm_head"):
             # both are read from the same checkpoint tensor: quantized once, as the head
             if "head" not in shared:
                 shared["head"] = _head_from_table(value, head) if path == "embed" else head(value)

@@ -177,8 +177,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs)
 // Why: half the int8 bytes a weight, and a Q4_1 checkpoint's own codes: a "self" draft
 // (engine/spec_draft.py) then has the target's layer weights. int8 activations (one
 // vpmaddubsw a vector) ran ~10% faster but a draft with them agreed with the target on ~93%
-// of tokens instead of ~98%; widening the codes to int16 for vpmaddwd cost ~40% more
-// instructions than these byte halves (RESULTS.md, "A 4-bit draft on a C++ kernel").
+// of tokens instead of ~98%; for one row, widening the codes to int16 for vpmaddwd cost
+// ~40% more instructions than these byte halves (RESULTS.md, "A 4-bit draft on a C++
+// kernel"); for 2-3 rows the widened codes are shared and win (packed4_wide).
 
 constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset
 

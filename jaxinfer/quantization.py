@@ -485,7 +485,9 @@ def cpu_compiler_options(model: nnx.Module) -> dict | None:
 
 def weight_bytes(model: nnx.Module) -> int:
     """Bytes of every parameter array (quantized values and scales included; a layer loop's
-    stacks, whose rows the parameters are, not twice)."""
+    stacks, whose rows the parameters are, and an array two parameters share, such as a tied
+    model's int8 head and its TiedEmbedding, once)."""
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    arrays = {id(x): x for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    return sum(x.size * x.dtype.itemsize for x in arrays.values())

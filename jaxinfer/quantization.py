@@ -128,9 +128,10 @@ def weight_finisher(cfg: Any, mode: str | None, codes: bool = True) -> Callable[
             return TiedEmbedding(shared["head"]) if path == "embed" else shared["head"]
         if path == "embed" and codes:
             return coded_table(value)
-        if path.rsplit(".", 1)[-1] not in MATMUL_WEIGHTS:
+        name = path.rsplit(".", 1)[-1]
+        if name not in MATMUL_WEIGHTS:
             return value
-        return (head if path.rsplit(".", 1)[-1] == "lm_head" else quantized)(value)
+        return (head if name == "lm_head" else quantized)(value)
 
     return finish
 

@@ -64,11 +64,16 @@ def method_options(method: str, quant: str | None, k: int, draft_model: str | No
     """EngineConfig fields of one speculative method: "self" drafts with the engine's default
     (speculative_quantization "auto": int4 on CPU), "self:int8" / "self:int4" (any
     "self:<speculative_quantization>") name the draft's weights; with ``draft_layers`` the
-    draft is the target's first layers."""
-    method, _, draft_quant = method.partition(":")
+    draft is the target's first layers; "ngram:tree<W>" verifies up to W prompt-lookup
+    candidates at once (speculative_tree_width)."""
+    method, _, option = method.partition(":")
     spec = dict(speculative_method=method, num_speculative_tokens=k)
-    if method == "self" and draft_quant:
-        spec["speculative_quantization"] = draft_quant
+    if method == "self" and option:
+        spec["speculative_quantization"] = option
+    if method == "ngram" and option:
+        if not option.startswith("tree") or not option[4:].isdigit():
+            raise ValueError(f"--methods {method}:{option}: the ngram option is tree<W>, e.g. ngram:tree2")
+        spec["speculative_tree_width"] = int(option[4:])
     if method == "self" and draft_layers:
         spec["speculative_draft_layers"] = draft_layers
     if method == "draft":
@@ -203,7 +208,8 @@ def main() -> None:
     p.add_argument("--quantization", default="none,int8", help="comma-separated: none, int8")
     p.add_argument("--methods", default="ngram,self",
                    help="comma-separated speculative methods to compare with plain decoding: ngram, self, "
-                        "self:int4 / self:int8 (the draft's weights), draft (needs --draft-model)")
+                        "self:int4 / self:int8 (the draft's weights), ngram:tree2 (two prompt-lookup "
+                        "candidates verified at once), draft (needs --draft-model)")
     p.add_argument("--draft-model", default=None, help="the draft model of --methods draft")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="--methods self: draft with the target's first N layers")

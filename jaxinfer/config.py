@@ -658,6 +658,11 @@ class EngineConfig:
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 2
     speculative_disable_by_batch_size: int = 2
+    # "ngram" only: prompt lookup proposes up to this many continuations with different
+    # first tokens, all verified in the same step, and the longest accepted one is kept
+    # (a token tree branching at its root, FlexFlow/SpecInfer's idea: engine/spec_tree.py).
+    # 1: one chain. Each extra chain costs its rows (benchmarks/RESULTS.md: a loss on CPU)
+    speculative_tree_width: int = 1
     # When the step shapes (buckets) compile (engine/warmup.py): "full" all of them before
     # the engine returns; "background" those a first request needs, the rest in a thread
     # while it serves (`jaxinfer serve`, and `Engine()`: None means it unless the process
@@ -754,13 +759,15 @@ SPECULATIVE_METHODS = ("ngram", "self", "draft")
 DRAFT_METHODS = ("self", "draft")        # those that run a draft model
 
 # vLLM's ``speculative_config`` keys -> EngineConfig fields (speculative_fields). "draft_layers"
-# is ours ('self' drafting with the first layers); "draft_tensor_parallel_size" is accepted as 1.
+# and "tree_width" are ours ('self' drafting with the first layers; prompt lookup's
+# candidates verified at once); "draft_tensor_parallel_size" is accepted as 1.
 SPECULATIVE_CONFIG_KEYS = {
     "method": "speculative_method", "model": "speculative_model",
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_max": "ngram_prompt_lookup_max", "prompt_lookup_min": "ngram_prompt_lookup_min",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
     "quantization": "speculative_quantization", "draft_layers": "speculative_draft_layers",
+    "tree_width": "speculative_tree_width",
 }
 # vLLM's method names (and ours) -> speculative_method; vLLM's trained heads (eagle, medusa,
 # mtp, ...) need weights no checkpoint here carries
@@ -862,11 +869,14 @@ def _check_speculative(c: "EngineConfig") -> None:
     _require(m in (None, *SPECULATIVE_METHODS), "speculative_method",
              f"must be None or one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {m!r}")
     for name in ("num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-                 "speculative_disable_by_batch_size"):
+                 "speculative_disable_by_batch_size", "speculative_tree_width"):
         v = getattr(c, name)
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
                  f"must be a positive integer, got {v!r}")
     _require(c.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be <= 16, got {c.num_speculative_tokens}")
+    _require(c.speculative_tree_width <= 4, "speculative_tree_width", f"must be <= 4, got {c.speculative_tree_width}")
+    _require(c.speculative_tree_width == 1 or m == "ngram", "speculative_tree_width",
+             f"candidates come from prompt lookup: > 1 needs speculative_method='ngram' (got {m!r})")
     _require(c.ngram_prompt_lookup_min <= c.ngram_prompt_lookup_max, "ngram_prompt_lookup_min",
              f"must be <= ngram_prompt_lookup_max ({c.ngram_prompt_lookup_max}), got {c.ngram_prompt_lookup_min}")
     _require(c.speculative_quantization in (None, "auto", "int8", "int4"), "speculative_quantization",

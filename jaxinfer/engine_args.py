@@ -72,10 +72,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no speculation while more sequences than this run")
+    g.add_argument("--speculative-tree-width", type=int, default=1, metavar="W",
+                   help="ngram: verify up to W prompt-lookup continuations (different first tokens) "
+                        "in one step and keep the longest accepted (a token tree; each extra one "
+                        "costs its rows: pays where rows are nearly free, e.g. a GPU)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                         '"prompt_lookup_max": 4}\' (methods ngram, self, draft_model; keys model, '
-                        'prompt_lookup_min, disable_by_batch_size, quantization, draft_layers): its '
+                        'prompt_lookup_min, disable_by_batch_size, quantization, draft_layers, tree_width): its '
                         'keys override the flags above; not with --speculative-method')
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
@@ -212,7 +216,7 @@ def lora_options(args: argparse.Namespace) -> dict:
 def speculative_options(args: argparse.Namespace) -> dict:
     names = ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
              "ngram_prompt_lookup_min", "speculative_disable_by_batch_size", "speculative_model",
-             "speculative_quantization", "speculative_draft_layers")
+             "speculative_quantization", "speculative_draft_layers", "speculative_tree_width")
     out = {n: getattr(args, n) for n in names if hasattr(args, n)}
     if out.get("speculative_quantization") == "none":
         out["speculative_quantization"] = None

@@ -34,7 +34,7 @@ KW = dict(progress=False, max_num_seqs=4, max_num_batched_tokens=64, max_model_l
           max_waiting=64, min_sampler_rows=16, decode_buckets=(1, 4, 16), mixed_decode_buckets=(0, 4), prefill_buckets=((1, 64),),
           debug_poison_freed_pages=True)
 COMMON = dict(num_speculative_tokens=K, speculative_disable_by_batch_size=4)     # batches of 4 speculate too
-METHODS = ("ngram", "self", "draft")
+METHODS = ("ngram", "self", "draft", "tree")
 
 
 def _tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
@@ -102,6 +102,8 @@ def method_options(method: str, draft_dir: str, self_layers: int | None = 1) -> 
     if method == "ngram":       # in vLLM's form: every ngram engine test also runs through it
         return dict(speculative_config={"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": K,
                                         "disable_by_batch_size": COMMON["speculative_disable_by_batch_size"]})
+    if method == "tree":        # prompt lookup's three likeliest continuations at once
+        return dict(speculative_method="ngram", speculative_tree_width=3, ngram_prompt_lookup_min=1, **COMMON)
     if method == "self":    # int8, the tiny target's first layer
         return dict(speculative_method="self", speculative_draft_layers=self_layers, **COMMON)
     return dict(speculative_method="draft", speculative_model=draft_dir, speculative_quantization=None, **COMMON)
@@ -146,6 +148,12 @@ def test_ngram_proposer():
     t = np.array([4, 1, 2, 4, 1, 3, 4, 1], np.int32)
     assert p.propose(t, 1) == [3]                    # latest occurrence of [4, 1] with 1 token after
     assert p.propose(t, 4) == [2, 4, 1, 3]           # only the earliest has 4 after it
+    # token-tree candidates: propose's first, then other first tokens, latest first
+    assert p.candidates(t, 4, 1) == [[2, 4, 1, 3]]
+    assert p.candidates(t, 2, 3) == [[3, 4], [2, 4]]    # [4, 1] at 3 (the latest), then at 0
+    t = np.array([7, 5, 9, 7, 6, 9, 7, 5, 8, 9, 7], np.int32)
+    assert p.candidates(t, 2, 4) == [[5, 8], [6, 9]]      # [9, 7] then [7]: followed by 5 or 6 only
+    assert p.candidates(np.array([1, 2, 3], np.int32), 2, 3) == []
 
 
 def test_scheduler_budgets_drafts_and_trim_frees_pages():
@@ -174,6 +182,10 @@ def test_config_refuses_unsupported():
         EngineConfig(speculative_method="ngram", ngram_prompt_lookup_min=5, ngram_prompt_lookup_max=2)
     with pytest.raises(ValueError, match="would draft with the target itself"):
         EngineConfig(speculative_method="self", quantization="int8", speculative_quantization="int8")
+    with pytest.raises(ValueError, match="speculative_tree_width.*ngram"):
+        EngineConfig(speculative_method="self", speculative_tree_width=2)
+    with pytest.raises(ValueError, match="speculative_tree_width"):
+        EngineConfig(speculative_method="ngram", speculative_tree_width=5)
 
 
 def test_vllm_speculative_config():
@@ -401,6 +413,38 @@ def test_preemption(tiny, plain, draft_dir, method):
     want = plain.generate(prompts, ps)
     _same(want, eng.generate(prompts, ps), "preemption")
     assert eng.stats()["num_preemptions_total"] > 0 and eng.stats()["spec_decode_num_accepted_tokens"] > 0
+    _no_leak(eng)
+
+
+def test_tree_branch_wins_with_the_plain_tokens(tiny, plain):
+    """Prompts whose latest n-gram match proposes a wrong continuation and an older one the
+    right one: the tree verifies both, the older one's branch wins (its pages become the
+    sequence's), and every token is the plain path's, alone and beside other requests; no
+    compile after warm-up, no page leaked (branches and their copied pages included)."""
+    eng = Engine(loaded=tiny, **KW, **method_options("tree", ""))
+    ps = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = []
+    for i, c0 in enumerate((3, 9, 20, 41)):
+        # c: the tiny model's greedy continuation of c0 (it follows it in context too). The
+        # prompt ends in c0, the step after the prefill feeds c1: then [c0, c1] was last
+        # followed by the detour y (the first chain, wrong) and before that by c2 (a branch's)
+        c = [c0] + plain.generate([[c0]], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+                                  )[0].outputs[0].token_ids
+        y = [t for t in np.random.RandomState(i).randint(3, V, size=40).tolist() if t not in c][:6]
+        prompts.append(c[:8] + [y[0], c0, c[1]] + y[1:5] + [y[5], c0])
+    want = plain.generate(prompts, ps)
+    tree = eng.speculator.tree
+    for p, w in zip(prompts, want):
+        _same([w], eng.generate([p], ps), "alone")
+    assert tree.num_wins >= len(prompts), (tree.num_branches, tree.num_wins)
+    wins = tree.num_wins
+    outs, compiles = run_with_arrivals(eng, prompts + _prompts(3), [ps] * 7, np.random.RandomState(1), "t", 2)
+    assert compiles == 0
+    _same(want + plain.generate(_prompts(3), ps), [outs[f"t{i}"] for i in range(7)], "batched")
+    for i, w in enumerate(want):
+        assert outs[f"t{i}"].outputs[0].logprobs == w.outputs[0].logprobs
+    assert tree.num_wins > wins and not tree.parent_of
+    assert eng.scheduler.num_running == 0
     _no_leak(eng)
 
 

@@ -199,6 +199,13 @@ class BlockManager:
             self._ops.append(PageOp("copy", p, src.page_ids[full]))
         return True
 
+    def swap_pages(self, a: Sequence, b: Sequence) -> None:
+        """Exchange the pages of two forks of one sequence (token-tree speculation: the
+        parent takes the pages of the branch whose chain was accepted). Their full pages
+        are the same pages (so each keeps its hashes and prefix-cache registrations);
+        refcounts are unchanged."""
+        a.page_ids, b.page_ids = b.page_ids, a.page_ids
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its pages; pages at refcount 0 become free.
 

@@ -227,7 +227,8 @@ class Engine:
         auto = default_ladders(c.max_num_seqs, max_model_len or self.max_model_len, c.page_size,
                                c.max_num_batched_tokens)
         if c.speculative_method is not None:
-            auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(auto.decode_sizes, c.num_speculative_tokens))
+            auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(
+                auto.decode_sizes, c.num_speculative_tokens, c.speculative_tree_width))
         if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
             from jaxinfer.engine.pipeline import pipeline_ladders
             auto = pipeline_ladders(auto, c.pipeline_parallel_size)
@@ -551,8 +552,8 @@ class Engine:
         res = S.unpack(packed)
         if any(e.draft for e in sched.scheduled):
             outs = self.speculator.postprocess(lambda sc, en: self.output.apply(rep.scheduler, sc, en, res),
-                                               sched, entries, res.token_ids)
-            self.speculator.rollback(sched, rep.block_manager)
+                                               sched, entries, res.token_ids, rep.block_manager)
+            self.speculator.rollback(sched, rep)
             return outs
         return self.output.apply(rep.scheduler, sched, entries, res)
 

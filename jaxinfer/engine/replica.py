@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxinfer.engine.batch import PAD_ROW
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
@@ -29,7 +30,8 @@ class Replica:
             self.release_row(seq)
         for e in sched.scheduled:
             if e.seq.seq_id not in self.rows:
-                self.rows[e.seq.seq_id] = self.free_rows.pop()
+                # a speculation tree's branch has no penalties (engine/spec_tree.py): the sink row
+                self.rows[e.seq.seq_id] = PAD_ROW if self.scheduler.is_branch(e.seq) else self.free_rows.pop()
         return sched
 
     def apply_page_ops(self) -> None:
@@ -45,7 +47,7 @@ class Replica:
 
     def release_row(self, seq: Sequence) -> None:
         row = self.rows.pop(seq.seq_id, None)
-        if row is not None:
+        if row is not None and row != PAD_ROW:
             self.free_rows.append(row)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:

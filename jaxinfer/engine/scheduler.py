@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.host_page_index import HostPage
-from jaxinfer.engine.sequence import Sequence, SequenceStatus
+from jaxinfer.engine.sequence import Sequence, SequenceStatus, next_seq_id
 # Raised by ``Scheduler.add`` when the waiting queue already holds ``max_waiting``
 # sequences (a request with ``n`` samples needs ``n`` places). Transient: retry later (the
 # server answers 503). Sequences put back by preemption are never refused. Re-exported
@@ -160,6 +160,7 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}     # unfinished requests' sequences
         self._keys: dict[int, tuple[int, float, int]] = {}
         self._beam_seats: dict[str, int] = {}              # admitted beam requests -> width
+        self._branches: set[int] = set()                   # seq_ids of this step's tree branches
         self._num_added = 0
         self.num_preemptions_total = 0
         self.num_cached_tokens_total = 0     # admitted tokens found in the cache (not recomputed)
@@ -259,6 +260,40 @@ class Scheduler:
         else:
             child.status = _PREEMPTED
             bisect.insort(self.waiting, child, key=self._key)
+
+    def branch(self, parent: Sequence) -> Sequence | None:
+        """Token-tree speculation (engine/spec_tree.py): a short-lived copy of decoding
+        ``parent`` that continues from its computed KV (BlockManager.fork: full pages shared,
+        the partial last page copied) and is scheduled right after it for one step; not a
+        sample of the request (``drop_branch`` ends it). None if no page is free for the copy."""
+        child = Sequence(next_seq_id(), parent.request_id, parent.prompt_token_ids, parent.params,
+                         sample_index=parent.sample_index, priority=parent.priority,
+                         arrival_time=parent.arrival_time, output_token_ids=list(parent.output_token_ids),
+                         lora_id=parent.lora_id)
+        if parent.status is not _RUNNING or not self.bm.fork(parent, child):
+            return None
+        child.status = _RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._keys[child.seq_id] = self._keys[parent.seq_id]
+        bisect.insort(self.running, child, key=self._key)
+        self._branches.add(child.seq_id)
+        return child
+
+    def is_branch(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a ``branch`` (it takes no place in ``max_num_seqs`` and no
+        penalty-state row: it never has penalties)."""
+        return seq.seq_id in self._branches
+
+    def drop_branch(self, child: Sequence) -> None:
+        """End a ``branch``: out of the queues, its pages back to the pool (or to the
+        parent's, when the parent took them: BlockManager.swap_pages)."""
+        for queue in (self.running, self.waiting):
+            if child in queue:
+                queue.remove(child)
+        self.bm.free(child)
+        self._keys.pop(child.seq_id, None)
+        self._branches.discard(child.seq_id)
+        child.status = _FINISHED
 
     # ---- the step -----------------------------------------------------------------
     def schedule(self, drafts: dict[int, Seq[int]] | None = None) -> SchedulerOutput:

@@ -49,6 +49,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.output import replay_runs
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.spec_tree import TreeBranches
 
 # A sequence whose moving average of accepted tokens per verified draft drops below this
 # stops proposing for PAUSE_STEPS steps: a verification step costs more than a plain one
@@ -67,18 +68,37 @@ class NgramProposer:
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         """``tokens``: i32[L] the sequence so far -> up to ``k`` proposed tokens."""
-        L = len(tokens)
+        chains = self.candidates(tokens, k, 1)
+        return chains[0] if chains else []
+
+    def candidates(self, tokens: np.ndarray, k: int, width: int) -> list[list[int]]:
+        """Up to ``width`` proposals (each up to ``k`` tokens) with different first tokens:
+        first ``propose``'s, then those after other occurrences, latest first, longest
+        match first (token-tree speculation: engine/spec_tree.py)."""
+        L, out, firsts = len(tokens), [], set()
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             # windows[i] = tokens[i:i+n], for starts whose continuation exists (i + n < L)
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
             hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
-            if len(hits):
+            if not len(hits):
+                continue
+            if not out:
                 # the latest occurrence followed by k tokens, else the earliest (the latest
                 # may sit just before the end, with almost nothing after it)
                 full = hits[hits + n + k <= L]
-                start = int(full[-1] if len(full) else hits[0]) + n
-                return tokens[start:start + k].tolist()
-        return []
+                hits = np.concatenate([[full[-1] if len(full) else hits[0]], hits[::-1]])
+            else:
+                hits = hits[::-1]
+            # the first occurrence (in that order) of each first token not proposed yet
+            nxt = tokens[hits + n]
+            _, at = np.unique(nxt, return_index=True)
+            for i in np.sort(at):
+                if int(nxt[i]) not in firsts:
+                    firsts.add(int(nxt[i]))
+                    out.append(tokens[hits[i] + n:hits[i] + n + k].tolist())
+                    if len(out) == width:
+                        return out
+        return out
 
 
 @dataclass(slots=True)
@@ -93,6 +113,7 @@ class Speculator:
 
     config: EngineConfig
     proposer: Any          # NgramProposer, or a draft model's (engine/spec_draft.py: propose(sched, wanted, ensure))
+    tree: TreeBranches | None = None      # speculative_tree_width > 1 (engine/spec_tree.py)
     num_drafts: int = 0                   # verified drafts (one per sequence per step)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -121,6 +142,7 @@ class Speculator:
         spare = min(max_slots, sched.max_num_batched_tokens) - len(running)
         drafts: dict[int, list[int]] = {}
         wanted: list[tuple[Sequence, int]] = []      # a draft model's: (sequence, tokens), all at once
+        extra: list[tuple[Sequence, list[list[int]]]] = []    # the tree's other chains
         for seq in running:
             st = self._states[seq.seq_id]
             if st.paused:
@@ -134,57 +156,84 @@ class Speculator:
             if k <= 0 or not eligible(seq):
                 continue
             if isinstance(self.proposer, NgramProposer):
-                draft = self.proposer.propose(np.asarray(seq.all_token_ids, np.int32), k)
-                if draft:
-                    drafts[seq.seq_id] = draft
-                    spare -= len(draft)
+                chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
+                                                  c.speculative_tree_width)
+                if chains:
+                    drafts[seq.seq_id] = chains[0]
+                    spare -= len(chains[0])
+                    if len(chains) > 1:
+                        extra.append((seq, chains[1:]))
             else:
                 wanted.append((seq, k))
                 spare -= k
         if wanted:
             drafts.update(self.proposer.propose(sched, wanted, ensure))
+        if extra and self.tree is not None:
+            self.tree.grow(sched, drafts, extra, spare)
         return drafts
 
     def postprocess(self, apply: Callable[..., list[Any]], sched: SchedulerOutput,
-                    entries: list[tuple[int, ScheduledSeq]], token_ids: np.ndarray) -> list[Any]:
-        """Accept each draft's longest verified run and feed the run through ``apply``
-        (the engine's one-token postprocessing: (sched, entries) -> requests touched), one
-        position at a time. ``token_ids`` i32[S']: the token sampled at each slot. Returns
-        the requests touched, each once, finished ones last."""
+                    entries: list[tuple[int, ScheduledSeq]], token_ids: np.ndarray, bm: Any) -> list[Any]:
+        """Accept each draft's longest verified run (of its tree's chains, the longest:
+        engine/spec_tree.py) and feed the run through ``apply`` (the engine's one-token
+        postprocessing: (sched, entries) -> requests touched), one position at a time.
+        ``token_ids`` i32[S']: the token sampled at each slot; ``bm``: the block manager
+        (a winning branch's pages move to its parent). Returns the requests touched, each
+        once, finished ones last."""
+        tree = self.tree
+        branches: dict[int, list[tuple[int, ScheduledSeq]]] = {}      # parent seq_id -> its branches' entries
+        if tree is not None:
+            for slot, e in entries:
+                if tree.is_branch(e.seq):
+                    branches.setdefault(tree.parent_of[e.seq.seq_id].seq_id, []).append((slot, e))
         runs: list[tuple[int, Sequence, int, int]] = []      # (first slot, seq, tokens to emit, stride)
         first = []
         for slot, e in entries:
+            if tree is not None and tree.is_branch(e.seq):
+                continue            # verified with its parent; never postprocessed itself
             if e.draft:
-                n = self._accept(e, token_ids[slot:slot + len(e.draft)])
-                runs.append((slot, e.seq, n + 1, 1))
+                tries = [(s, x, self._accepted(x, token_ids[s:s + len(x.draft)]))
+                         for s, x in [(slot, e)] + branches.get(e.seq.seq_id, [])]
+                win, n = tree.pick(tries, bm) if len(tries) > 1 else (slot, tries[0][2])
+                self._record(e.seq, sum(len(x.draft) for _, x, _ in tries), n)
+                # the root row (slot 0 of every chain) is the same bits in each: the
+                # parent's gives the first token, the winner's slots the rest
+                runs.append((win, e.seq, n + 1, 1))
                 e = ScheduledSeq(e.seq, e.start_pos, 1, True)
             first.append((slot, e))
         return replay_runs(lambda sc, en, i: apply(sc, en),
                            (SchedulerOutput([e for _, e in first], sched.preempted, len(first)), first), runs)
 
-    def rollback(self, sched: SchedulerOutput, bm: Any) -> None:
+    def rollback(self, sched: SchedulerOutput, replica: Any) -> None:
         """Free the pages of rejected positions: a speculating sequence keeps pages for its
-        computed tokens only (the next step allocates what it needs)."""
+        computed tokens only (the next step allocates what it needs); end the step's
+        branches. ``replica``: engine/replica.Replica."""
         for e in sched.scheduled:
-            if e.draft and not e.seq.is_finished:
-                bm.trim(e.seq, e.seq.num_computed_tokens)
+            if e.draft and not e.seq.is_finished and not (self.tree and self.tree.is_branch(e.seq)):
+                replica.block_manager.trim(e.seq, e.seq.num_computed_tokens)
+        if self.tree is not None:
+            self.tree.drop(replica)
 
-    def _accept(self, e: ScheduledSeq, sampled: np.ndarray) -> int:
+    @staticmethod
+    def _accepted(e: ScheduledSeq, sampled: np.ndarray) -> int:
         """Draft tokens accepted: draft[j] stands while the target sampled it at slot j."""
         n = 0
         while n < len(e.draft) and int(sampled[n]) == e.draft[n]:
             n += 1
+        return n
+
+    def _record(self, seq: Sequence, num_draft_tokens: int, n: int) -> None:
+        """Count one verified draft (all its chains' tokens) of which ``n`` were accepted."""
         self.num_drafts += 1
-        self.num_draft_tokens += len(e.draft)
+        self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += n
         for j in range(n):
             self.accepted_per_pos[j] += 1
-        st = self._states.get(e.seq.seq_id)
+        st = self._states.get(seq.seq_id)
         if st is not None:
             st.accepted = 0.5 * st.accepted + 0.5 * n
             if st.accepted < MIN_ACCEPTED:
                 st.paused = PAUSE_STEPS
-        return n
 
     def stats(self) -> dict[str, Any]:
         """vLLM's spec-decode counters (per-position: accepted draft tokens at position j)."""
@@ -198,7 +247,8 @@ def make_speculator(config: EngineConfig, draft: Any = None) -> Speculator | Non
     """``draft``: the proposer of the draft-model methods (spec_draft.DraftProposer)."""
     if config.speculative_method is None:
         return None
-    return Speculator(config, draft or NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+    return Speculator(config, draft or NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
+                      TreeBranches() if config.speculative_tree_width > 1 else None)
 
 
 def speculable(seq: Sequence, constrained: bool) -> bool:
@@ -211,10 +261,11 @@ def speculable(seq: Sequence, constrained: bool) -> bool:
             and p.beam_width == 1)
 
 
-def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int) -> tuple[int, ...]:
-    """The decode ladder, grown by powers of two so one sequence and its whole draft fit
-    (a one-sequence engine has decode buckets of 1 slot only)."""
-    need, sizes = num_speculative_tokens + 1, set(decode_sizes)
+def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int, tree_width: int = 1
+                      ) -> tuple[int, ...]:
+    """The decode ladder, grown by powers of two so one sequence and its whole draft (every
+    chain of its tree) fit (a one-sequence engine has decode buckets of 1 slot only)."""
+    need, sizes = tree_width * (num_speculative_tokens + 1), set(decode_sizes)
     n = 1
     while n < need:
         n *= 2

@@ -223,6 +223,8 @@ def test_vllm_speculative_config():
     assert [getattr(cfg, f) for f in ("speculative_method", "num_speculative_tokens", "ngram_prompt_lookup_max",
                                       "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")] == \
         ["ngram", 5, 3, 1, 4]
+    assert cli("--speculative-config", json.dumps({**spec, "tree_width": 2})).speculative_tree_width == 2
+    assert cli("--speculative-method", "ngram", "--speculative-tree-width", "3").speculative_tree_width == 3
     with pytest.raises(ValueError, match="not valid JSON"):
         cli("--speculative-config", "{method: ngram}")
     with pytest.raises(ValueError, match="give one of them"):

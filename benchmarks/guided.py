@@ -88,7 +88,7 @@ def parts(batch: int = 32, calls: int = 20) -> dict:
     tok = load_model(None).tokenizer
     v = tok.vocab_size
     comp = G.GrammarCompiler(tok, v, tok.eos_token_ids)
-    rows = [(i, G.SequenceConstraints(comp.matcher(G.GuidedDecoding.parse({"json": SCHEMA})), 0, [], [], []), [])
+    rows = [(i, G.SequenceConstraints(comp.matcher(G.GuidedDecoding.parse({"json": SCHEMA})), 0, [], [], []), [], ())
             for i in range(batch)]
     host = []
     for _ in range(calls):

@@ -187,12 +187,101 @@ def test_mask_rows_host_side():
     v = 70                                            # not a multiple of 32: tail bits stay 0
     c = G.SequenceConstraints(None, min_tokens=2, min_tokens_ids=[3, 65],
                               bad_words=[(9,), (4, 5)], bias=[(7, 2.5)])
-    m = G.build_mask(3, v, [(1, c, [4])])
+    m = G.build_mask(3, v, [(1, c, [4], ())])
     allowed = np.unpackbits(m.bits.view(np.uint8), bitorder="little").reshape(3, -1)
     assert allowed[0].sum() == 96 and not m.active[0]       # untouched rows: all ones, inactive
     row = allowed[1]
     assert m.active[1] and row[v:].sum() == 0
     assert {3, 65, 9, 5} == set(np.flatnonzero(row[:v] == 0))
     assert m.bias_ids[1, 0] == 7 and m.bias_vals[1, 0] == 2.5 and m.bias_vals[1, 1:].sum() == 0
-    m2 = G.build_mask(3, v, [(1, c, [4, 1])])                # min_tokens reached, 4 5 no longer pending
+    m2 = G.build_mask(3, v, [(1, c, [4, 1], ())])                # min_tokens reached, 4 5 no longer pending
     assert set(np.flatnonzero(np.unpackbits(m2.bits[1].view(np.uint8), bitorder="little")[:v] == 0)) == {9}
+
+
+def _zeros(bits_row: np.ndarray, v: int) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(bits_row.view(np.uint8), bitorder="little")[:v] == 0).tolist())
+
+
+def test_draft_rows_are_the_rows_after_each_draft_prefix(eng, tok):
+    """Speculative verification: slot j of a draft gets the mask plain decoding would use
+    after the first j draft tokens (min_tokens, bad words, the grammar's state), bias on
+    every slot; the matcher is left as it was; a draft is cut where its grammar refuses it
+    or completes."""
+    v = 70
+    c = G.SequenceConstraints(None, min_tokens=2, min_tokens_ids=[3, 65], bad_words=[(9,), (4, 5)], bias=[(7, 2.5)])
+    m = G.build_mask(5, v, [(1, c, [], (4, 1))])
+    assert [_zeros(m.bits[i], v) for i in (1, 2, 3)] == [{3, 65, 9}, {3, 65, 9, 5}, {9}]
+    assert m.active.tolist() == [False, True, True, True, False]
+    assert (m.bias_ids[1:4, 0] == 7).all() and m.bias_ids[4, 0] == 0
+
+    V = eng.model_config.vocab_size
+    grammars = G.GrammarCompiler(tok, V, eng.eos_token_ids)
+    spec = G.GuidedDecoding.parse({"regex": r"[0-9]{3}-[a-z]{2}"})
+    ids = tok.encode("123-ab", add_special_tokens=False)
+    assert len(ids) >= 3
+    c = G.SequenceConstraints(grammars.matcher(spec), 0, [], [], [])
+    before = np.full(G.mask_width(V), -1, np.int32)
+    c.fill(before, [])
+    assert c.valid_prefix(ids) == len(ids)
+    assert c.valid_prefix(ids[:1] + tok.encode("x", add_special_tokens=False)) == 1
+    m = G.build_mask(len(ids) + 2, V, [(1, c, [], tuple(ids))])
+    ref = G.SequenceConstraints(grammars.matcher(spec), 0, [], [], [])
+    for j in range(len(ids) + 1):
+        want = np.full(G.mask_width(V), -1, np.int32)
+        ref.fill(want, [])
+        assert (m.bits[1 + j] == want).all(), j
+        if j < len(ids):
+            ref.advance(ids[j])
+    assert ref.stopped                     # "123-ab" completes the regex ...
+    assert c.valid_prefix(ids + ids) == len(ids)    # ... so a draft past it is cut there
+    after = np.full(G.mask_width(V), -1, np.int32)
+    c.fill(after, [])
+    assert (after == before).all()         # the matcher is where it was
+
+
+@pytest.fixture(scope="module", params=["ngram", "self"])
+def spec_pair(request, tok):
+    """A sharp tiny model (greedy outputs fall into loops, so drafts are accepted) without
+    and with speculation."""
+    loaded = tiny_loaded(tok)
+    opts = dict(speculative_method=request.param, num_speculative_tokens=3)
+    opts.update(ngram_prompt_lookup_min=1) if request.param == "ngram" else opts.update(speculative_draft_layers=1)
+    return Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW), \
+        Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW, **opts)
+
+
+def test_constrained_requests_speculate_with_the_plain_tokens(spec_pair, closers):
+    """Grammar (JSON schema, regex, choice, Lark), logit_bias, min_tokens and bad words
+    with speculation: the tokens (and logprobs) of decoding without it, alone and batched;
+    drafts were verified and accepted under the masks; no compile, no page leaked."""
+    plain, spec = spec_pair
+    params = [SamplingParams(temperature=0, max_tokens=48, guided={"json": SCHEMAS[k]}, logprobs=1)
+              for k in (0, 5, 11)]
+    params += [SamplingParams(temperature=0, max_tokens=40, guided={"regex": r"[a-z ]{4,60}\."}),
+               SamplingParams(temperature=0, max_tokens=40, guided={"regex": r"(ab|cd|[0-9]{2}){3,30}"}),
+               SamplingParams(temperature=0, max_tokens=12, guided={"choice": ["alpha beta gamma", "delta"]}),
+               SamplingParams(temperature=0, max_tokens=40, guided={"grammar": 'start: ("x" | "yz" | " ")+'}),
+               SamplingParams(temperature=0, max_tokens=32, logit_bias={k: 3.0 for k in list(closers)[:5]},
+                              min_tokens=6, bad_words=["the"]),
+               SamplingParams(temperature=0.9, seed=3, max_tokens=32, guided={"regex": r"[a-z]{1,40}"})]
+    prompts = ["Reply in JSON:", "Write:", "Numbers and letters:"] * 3
+    # prompt lookup proposes the prompt's pattern, which the model leaves: drafts rejected
+    params += [SamplingParams(temperature=0, max_tokens=40, guided={"regex": r"((ab|cd|ef) ){3,30}"})]
+    prompts += ["ab cd ab cd ab cd"]
+    want = plain.generate(prompts, params)
+    s0 = spec.stats()
+    COMPILES.count, COMPILES.active = 0, True
+    try:
+        alone = [spec.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        batched = spec.generate(prompts, params)
+    finally:
+        COMPILES.active = False
+    assert COMPILES.count == 0
+    for w, a, b in zip(want, alone, batched):
+        assert a.outputs[0].token_ids == w.outputs[0].token_ids == b.outputs[0].token_ids, w.outputs[0].text
+        assert a.outputs[0].logprobs == w.outputs[0].logprobs
+    st = spec.stats()
+    assert st["spec_decode_num_accepted_tokens"] - s0["spec_decode_num_accepted_tokens"] > 40
+    if spec.config.speculative_method == "ngram":     # ('self' on this tiny model agrees always)
+        assert st["spec_decode_num_draft_tokens"] > st["spec_decode_num_accepted_tokens"]
+    assert not spec.has_unfinished() and spec.block_manager.num_free_pages == spec.block_manager.num_usable_pages

@@ -467,8 +467,12 @@ class Engine:
         """Speculative decoding's proposals for this step (engine/speculative.py)."""
         if self.speculator is None:
             return None
-        return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], lambda seq: speculable(
-            seq, bool(self.output.requests[seq.request_id].constraints)), self.compiler.ensure)
+        def allowed(seq: Sequence, draft: list[int]) -> int:      # a grammar cuts a draft short
+            cs = self.output.requests[seq.request_id].constraints
+            return cs[seq.sample_index].valid_prefix(draft) if cs else len(draft)
+
+        return self.speculator.propose(rep.scheduler, self.ladders.decode_sizes[-1], speculable,
+                                       self.compiler.ensure, allowed)
 
     def _build(self, rep: Replica, sched: SchedulerOutput, lookahead: int = 0) -> Any:
         """The step's batch; while buckets still compile, in a compiled bucket that holds
@@ -528,7 +532,7 @@ class Engine:
     def _token_mask(self, batch) -> Callable[[], Any] | None:
         """The step's TokenMask builder for the runner (called while the device runs the
         forward), or None when no sampled row is constrained: those steps pay nothing."""
-        rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids)
+        rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids, e.draft)
                 for slot, e in batch.entries if e.samples
                 for req in (self.output.requests[e.seq.request_id],) if req.constraints]
         if not rows:

@@ -212,6 +212,46 @@ class SequenceConstraints:
             # so the row never becomes all -inf.
             row[:] = grammar_row
 
+    def valid_prefix(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of a speculative draft the grammar allows, up to and
+        including one that completes it (the sequence ends there); the matcher's state is
+        left as it was. Without a grammar, all: min_tokens, bad words and the bias only
+        mask tokens, which the target then never samples, so such a draft token is
+        rejected like any other."""
+        m = self.matcher
+        if m is None:
+            return len(draft)
+        if self.stopped or not draft:
+            return 0
+        n = m.validate_tokens(list(map(int, draft)))
+        consumed = 0
+        while consumed < n:     # cut after a token that completes the grammar
+            m.consume_token(int(draft[consumed]))
+            consumed += 1
+            if m.is_stopped():
+                break
+        if consumed:
+            m.rollback(consumed)
+        return consumed
+
+    def fill_run(self, rows: np.ndarray, output_ids: Sequence[int], draft: Sequence[int]) -> None:
+        """Speculative verification: ``rows[j]`` (i32[1 + len(draft), W], all ones) gets the
+        bits plain decoding would use after ``draft[:j]`` were emitted (``draft``: a
+        ``valid_prefix``); the matcher's state is left as it was."""
+        out = list(output_ids)
+        consumed = 0
+        for j in range(len(draft) + 1):
+            if consumed and self.matcher.is_stopped():
+                break       # draft[j - 1] completes the grammar: the sequence ends there
+            self.fill(rows[j], out)
+            if j < len(draft):
+                out.append(int(draft[j]))
+                if self.matcher is not None and not self.stopped:
+                    self.matcher.consume_token(int(draft[j]))
+                    consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+
     def advance(self, token: int) -> None:
         """Feed the sampled token to the matcher; a token it refuses ends the sequence."""
         if self.matcher is None or self.stopped:
@@ -272,18 +312,24 @@ def empty_mask(rows: int, vocab_size: int) -> TokenMaskArrays:
 
 
 def build_mask(rows: int, vocab_size: int,
-               entries: Sequence[tuple[int, SequenceConstraints, Sequence[int]]]) -> TokenMaskArrays:
-    """The step's mask: ``entries`` are (sampler slot, constraints, output token ids so far)
-    of the rows that have constraints (every other row stays all-allowed, bias 0)."""
+               entries: Sequence[tuple[int, SequenceConstraints, Sequence[int], Sequence[int]]]) -> TokenMaskArrays:
+    """The step's mask: ``entries`` are (sampler slot, constraints, output token ids so far,
+    speculative draft) of the rows that have constraints (every other row stays
+    all-allowed, bias 0). A draft's slots follow its first: slot + j is masked as after
+    ``draft[:j]`` (SequenceConstraints.fill_run)."""
     m = empty_mask(rows, vocab_size)
     tail = mask_width(vocab_size) * 32 - vocab_size
-    for slot, c, out_ids in entries:
-        m.active[slot] = True
+    for slot, c, out_ids, draft in entries:
+        run = slice(slot, slot + 1 + len(draft))
+        m.active[run] = True
         if c.needs_bits:
-            c.fill(m.bits[slot], out_ids)
+            if draft:
+                c.fill_run(m.bits[run], out_ids, draft)
+            else:
+                c.fill(m.bits[slot], out_ids)
             if tail:             # ids past the vocabulary never exist
-                m.bits[slot, -1] &= np.int32(np.uint32((1 << (32 - tail)) - 1).view(np.int32))
+                m.bits[run, -1] &= np.int32(np.uint32((1 << (32 - tail)) - 1).view(np.int32))
         n = c.bias_ids.size
-        m.bias_ids[slot, :n] = c.bias_ids
-        m.bias_vals[slot, :n] = c.bias_vals
+        m.bias_ids[run, :n] = c.bias_ids
+        m.bias_vals[run, :n] = c.bias_vals
     return m

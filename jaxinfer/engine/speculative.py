@@ -31,9 +31,14 @@ P(accept) = p(d), and a rejected t is distributed as p given t != d. Each slot s
 with the key (seed, output index) the plain path would use, so a seeded request gives the
 same tokens with and without speculation.
 
+Constrained sequences (a grammar, logit_bias, min_tokens, bad_words) speculate: a draft is
+cut to the prefix its grammar accepts (``allowed``), and verification slot j gets the token
+mask plain decoding would use after the first j draft tokens (guided.fill_run: the grammar
+matcher steps through them and rolls back), so the sampled tokens are still the plain
+path's; the accepted run then advances the grammar one token at a time.
+
 Not speculated (they decode one token per step as usual): sequences with repetition /
-presence / frequency penalties (the device's penalty state counts every fed token) or a
-token mask (guided decoding, logit_bias, min_tokens, bad_words); steps that carry a
+presence / frequency penalties (the device's penalty state counts every fed token); steps that carry a
 prefill or could admit one; batches larger than ``speculative_disable_by_batch_size``;
 a sequence whose recent drafts were mostly rejected, for a few steps.
 """
@@ -124,13 +129,15 @@ class Speculator:
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
 
     def propose(self, sched: Scheduler, max_slots: int, eligible: Callable[[Sequence], bool],
-                ensure: Callable[[Any, Any], None] | None = None) -> dict[int, list[int]]:
+                ensure: Callable[[Any, Any], None] | None = None,
+                allowed: Callable[[Sequence, list[int]], int] | None = None) -> dict[int, list[int]]:
         """Drafts for this step's decoding sequences ({} = a plain step). Only when every
         running sequence decodes and nobody can be admitted (so the step is decode-only and
         fits the decode ladder), at most ``speculative_disable_by_batch_size`` of them, and
         in at most ``max_slots`` decode slots (the largest decode bucket) in all.
         ``ensure(runner, bucket)``: compiles a draft model's bucket that warm-up has not
-        reached yet (engine/warmup.py)."""
+        reached yet (engine/warmup.py). ``allowed(seq, draft)``: how many leading tokens of
+        a draft the sequence's grammar accepts (a draft is cut there; an empty one dropped)."""
         c, running = self.config, sched.running
         if not running or len(running) > c.speculative_disable_by_batch_size:
             return {}
@@ -158,6 +165,9 @@ class Speculator:
             if isinstance(self.proposer, NgramProposer):
                 chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
                                                   c.speculative_tree_width)
+                if allowed is not None:
+                    chains = [ch[:allowed(seq, ch)] for ch in chains]
+                    chains = [ch for ch in chains if ch]
                 if chains:
                     drafts[seq.seq_id] = chains[0]
                     spare -= len(chains[0])
@@ -167,7 +177,12 @@ class Speculator:
                 wanted.append((seq, k))
                 spare -= k
         if wanted:
-            drafts.update(self.proposer.propose(sched, wanted, ensure))
+            proposed = self.proposer.propose(sched, wanted, ensure)
+            if allowed is not None:
+                for seq, _ in wanted:
+                    draft = proposed.get(seq.seq_id, [])
+                    proposed[seq.seq_id] = draft[:allowed(seq, draft)]
+            drafts.update({i: d for i, d in proposed.items() if d})
         if extra and self.tree is not None:
             self.tree.grow(sched, drafts, extra, spare)
         return drafts
@@ -251,14 +266,13 @@ def make_speculator(config: EngineConfig, draft: Any = None) -> Speculator | Non
                       TreeBranches() if config.speculative_tree_width > 1 else None)
 
 
-def speculable(seq: Sequence, constrained: bool) -> bool:
+def speculable(seq: Sequence) -> bool:
     """Whether ``seq`` may speculate: no penalties (the device's penalty state counts every
-    fed token, rejected drafts included) and no token mask (``constrained``: its grammar
-    state advances one accepted token at a time on the host), no beam search (its tokens
-    are chosen on the host after each step)."""
+    fed token, rejected drafts included), no beam search (its tokens are chosen on the host
+    after each step). A token mask (grammar, min_tokens, bad words, logit_bias) is fine:
+    each verification slot gets the mask plain decoding would use there (guided.fill_run)."""
     p = seq.params
-    return (not constrained and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
-            and p.beam_width == 1)
+    return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and p.beam_width == 1
 
 
 def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int, tree_width: int = 1

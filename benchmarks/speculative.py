@@ -14,6 +14,10 @@ batch 1 greedy, plain vs its prompt-lookup decoding (``LlamaPromptLookupDecoding
 binding's speculative drafter; ``--llama-cpp-lookup`` tokens per draft), interleaved prompt
 by prompt like ours, with decode tok/s measured the same way and whether the tokens match.
 
+``--guided-json``: every batch-1 request constrained to a JSON object (a grammar: the output
+ends when the object closes, so its decode tok/s counts the tokens it has), speculation
+under the same mask as plain decoding.
+
 ``--throughput``: also the workload's 32-prompt throughput set at max_num_seqs=32 with and
 without speculation (it turns itself off above ``speculative_disable_by_batch_size``).
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+import numpy as np
 
 import common as C
 
@@ -94,12 +100,15 @@ def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
                   kv_cache_dtype="model", **spec)
 
 
+GUIDED = None          # --guided-json: every batch-1 request constrained to a JSON object
+
+
 def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:
     from jaxinfer.config import SamplingParams
 
-    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))[0]
-    m = out.metrics
-    return (n_new - 1) / (m.finished_time - m.first_token_time), out.outputs[0].token_ids
+    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, guided=GUIDED))[0]
+    m, n = out.metrics, len(out.outputs[0].token_ids)      # a grammar may end the output early
+    return (n - 1) / max(m.finished_time - m.first_token_time, 1e-9), out.outputs[0].token_ids
 
 
 def spec_counts(eng) -> tuple[int, int]:
@@ -125,6 +134,7 @@ def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k:
     res = {}
     for cat, texts in cats.items():
         rates = {m: [] for m in engines}
+        times = {m: 0.0 for m in engines}          # decode seconds over all the category's tokens
         counts = {m: [0, 0] for m in methods}
         identical = {m: True for m in methods}
         for text in texts:
@@ -134,6 +144,7 @@ def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k:
                 d0, a0 = spec_counts(e)
                 r, toks[m] = decode_rate(e, ids, n_new)
                 rates[m].append(r)
+                times[m] += (len(toks[m]) - 1) / r if r else 0.0    # a 1-token output has no decode
                 d1, a1 = spec_counts(e)
                 if m != "plain":
                     counts[m][0] += d1 - d0
@@ -144,7 +155,10 @@ def batch1(loaded, quant: str | None, cats: dict[str, list[str]], n_new: int, k:
         for m in methods:
             d, a = counts[m]
             row[m] = {"tok_s": sum(rates[m]) / len(texts),
-                      "speedup": sum(x / y for x, y in zip(rates[m], rates["plain"])) / len(texts),
+                      "speedup": float(np.mean([x / y for x, y in zip(rates[m], rates["plain"]) if y])),
+                      # by tokens, not prompts: a grammar's short outputs (--guided-json)
+                      # weigh by their length
+                      "speedup_tokens": times["plain"] / times[m] if times[m] else None,
                       "draft_tokens": d, "acceptance": a / d if d else None, "greedy_identical": identical[m]}
         res[cat] = row
     return res
@@ -224,9 +238,13 @@ def main() -> None:
     p.add_argument("--llama-cpp-lookup", type=int, default=10, help="llama.cpp lookup tokens per draft")
     p.add_argument("--weight-codes", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 targets as their exact weight codes (the engine's default) or as floats")
+    p.add_argument("--guided-json", action="store_true",
+                   help="batch 1: every request constrained to a JSON object (guided decoding), "
+                        "with and without speculation")
     args = p.parse_args()
-    global WEIGHT_CODES
+    global WEIGHT_CODES, GUIDED
     WEIGHT_CODES = args.weight_codes
+    GUIDED = {"json_object": True} if args.guided_json else None
     if args.quick:
         args.prompts, args.new_tokens = 1, 64
     methods = [m for m in args.methods.split(",") if m]
@@ -240,14 +258,14 @@ def main() -> None:
     cats, source = prompts(args.prompts, Path(args.mt_bench))
     cats = {c: cats[c] for c in args.categories.split(",")}
     res = {"machine": C.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "methods": methods, "batch1": {},
+           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "methods": methods, "guided": GUIDED, "batch1": {},
            "load_before": C.load_avg()}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q
         res["batch1"][q] = r = batch1(loaded, quant, cats, args.new_tokens, args.k, methods, args.draft_model,
                                                   args.draft_layers)
         C.print_table([(f"{cat}: {m}", f"{C.fmt(v['plain_tok_s'])} -> {C.fmt(v[m]['tok_s'])} tok/s, "
-                        f"{v[m]['speedup']:.2f}x, acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
+                        f"{v[m]['speedup']:.2f}x (by tokens {v[m]['speedup_tokens'] or 0:.2f}x), acceptance {C.fmt(100 * (v[m]['acceptance'] or 0))}%, "
                         f"identical {v[m]['greedy_identical']}")
                        for cat, v in r.items() for m in methods if m in v], f"batch 1, {q} ({source}), load {C.load_avg()}")
     if args.llama_cpp and not C.llama_cpp_available():

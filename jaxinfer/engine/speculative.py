@@ -182,6 +182,9 @@ class Speculator:
                 for seq, _ in wanted:
                     draft = proposed.get(seq.seq_id, [])
                     proposed[seq.seq_id] = draft[:allowed(seq, draft)]
+                    if draft and not proposed[seq.seq_id]:
+                        # the draft model's work bought nothing: a round with none accepted
+                        self._pace(seq, 0)
             drafts.update({i: d for i, d in proposed.items() if d})
         if extra and self.tree is not None:
             self.tree.grow(sched, drafts, extra, spare)
@@ -244,6 +247,11 @@ class Speculator:
         self.num_accepted_tokens += n
         for j in range(n):
             self.accepted_per_pos[j] += 1
+        self._pace(seq, n)
+
+    def _pace(self, seq: Sequence, n: int) -> None:
+        """A round of ``seq``'s speculation yielded ``n`` draft tokens: pause it for a few
+        steps while its moving average stays under MIN_ACCEPTED."""
         st = self._states.get(seq.seq_id)
         if st is not None:
             st.accepted = 0.5 * st.accepted + 0.5 * n

@@ -239,13 +239,15 @@ def test_draft_rows_are_the_rows_after_each_draft_prefix(eng, tok):
     assert (after == before).all()         # the matcher is where it was
 
 
-@pytest.fixture(scope="module", params=["ngram", "self"])
+@pytest.fixture(scope="module", params=["ngram", "tree", "self"])
 def spec_pair(request, tok):
     """A sharp tiny model (greedy outputs fall into loops, so drafts are accepted) without
-    and with speculation."""
+    and with speculation ("tree": prompt lookup's two likeliest candidates at once)."""
     loaded = tiny_loaded(tok)
-    opts = dict(speculative_method=request.param, num_speculative_tokens=3)
-    opts.update(ngram_prompt_lookup_min=1) if request.param == "ngram" else opts.update(speculative_draft_layers=1)
+    opts = {"ngram": dict(speculative_method="ngram", ngram_prompt_lookup_min=1),
+            "tree": dict(speculative_method="ngram", ngram_prompt_lookup_min=1, speculative_tree_width=2),
+            "self": dict(speculative_method="self", speculative_draft_layers=1)}[request.param]
+    opts["num_speculative_tokens"] = 3
     return Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW), \
         Engine(loaded=loaded, progress=False, **TINY_ENGINE_KW, **opts)
 
@@ -283,5 +285,6 @@ def test_constrained_requests_speculate_with_the_plain_tokens(spec_pair, closers
     st = spec.stats()
     assert st["spec_decode_num_accepted_tokens"] - s0["spec_decode_num_accepted_tokens"] > 40
     if spec.config.speculative_method == "ngram":     # ('self' on this tiny model agrees always)
+        assert spec.config.speculative_tree_width == 1 or spec.speculator.tree.num_branches > 0
         assert st["spec_decode_num_draft_tokens"] > st["spec_decode_num_accepted_tokens"]
     assert not spec.has_unfinished() and spec.block_manager.num_free_pages == spec.block_manager.num_usable_pages

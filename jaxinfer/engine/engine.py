@@ -554,7 +554,7 @@ class Engine:
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
-        if any(e.draft for e in sched.scheduled):
+        if self.speculator is not None and self.speculator.verifies(sched):
             outs = self.speculator.postprocess(lambda sc, en: self.output.apply(rep.scheduler, sc, en, res),
                                                sched, entries, res.token_ids, rep.block_manager)
             self.speculator.rollback(sched, rep)

@@ -190,6 +190,11 @@ class Speculator:
             self.tree.grow(sched, drafts, extra, spare)
         return drafts
 
+    def verifies(self, sched: SchedulerOutput) -> bool:
+        """Whether the step needs ``postprocess`` and ``rollback``: it verified a draft, or
+        branches of a tree exist (they end with the step even if none was scheduled)."""
+        return any(e.draft for e in sched.scheduled) or bool(self.tree and self.tree.parent_of)
+
     def postprocess(self, apply: Callable[..., list[Any]], sched: SchedulerOutput,
                     entries: list[tuple[int, ScheduledSeq]], token_ids: np.ndarray, bm: Any) -> list[Any]:
         """Accept each draft's longest verified run (of its tree's chains, the longest:

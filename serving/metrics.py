@@ -62,6 +62,10 @@ _ENGINE_METRICS = (
     ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed.", "counter"),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
      "counter"),
+    ("spec_decode_num_tree_branches", "spec_decode_num_tree_branches",
+     "Extra prompt-lookup candidates verified (--speculative-tree-width).", "counter"),
+    ("spec_decode_num_tree_branch_wins", "spec_decode_num_tree_branch_wins",
+     "Steps whose longest accepted candidate was an extra one.", "counter"),
 )
 
 

@@ -493,6 +493,10 @@ def test_metrics_export_spec_counters(spec):
     assert fams["jaxinfer:spec_decode_num_accepted_tokens"].samples[0].value == st["spec_decode_num_accepted_tokens"]
     per_pos = fams["jaxinfer:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [s.value for s in per_pos] == st["spec_decode_num_accepted_tokens_per_pos"] and len(per_pos) == K
+    tree = "jaxinfer:spec_decode_num_tree_branches" in fams
+    assert tree == (spec.config.speculative_tree_width > 1)
+    if tree:
+        assert fams["jaxinfer:spec_decode_num_tree_branches"].samples[0].value == spec.speculator.tree.num_branches
 
 
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}

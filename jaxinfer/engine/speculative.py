@@ -264,11 +264,16 @@ class Speculator:
                 st.paused = PAUSE_STEPS
 
     def stats(self) -> dict[str, Any]:
-        """vLLM's spec-decode counters (per-position: accepted draft tokens at position j)."""
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+        """vLLM's spec-decode counters (per-position: accepted draft tokens at position j),
+        and with a token tree its branches verified and won."""
+        out = {"spec_decode_num_drafts": self.num_drafts,
+               "spec_decode_num_draft_tokens": self.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+               "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+        if self.tree is not None:       # ours: whether the tree's extra chains pay
+            out.update(spec_decode_num_tree_branches=self.tree.num_branches,
+                       spec_decode_num_tree_branch_wins=self.tree.num_wins)
+        return out
 
 
 def make_speculator(config: EngineConfig, draft: Any = None) -> Speculator | None:

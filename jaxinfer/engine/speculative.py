@@ -91,10 +91,13 @@ class NgramProposer:
                 # the latest occurrence followed by k tokens, else the earliest (the latest
                 # may sit just before the end, with almost nothing after it)
                 full = hits[hits + n + k <= L]
-                hits = np.concatenate([[full[-1] if len(full) else hits[0]], hits[::-1]])
-            else:
-                hits = hits[::-1]
-            # the first occurrence (in that order) of each first token not proposed yet
+                start = int(full[-1] if len(full) else hits[0]) + n
+                out.append(tokens[start:start + k].tolist())
+                firsts.add(out[0][0])
+                if len(out) == width:
+                    return out
+            # then the latest occurrence of each first token not proposed yet
+            hits = hits[::-1]
             nxt = tokens[hits + n]
             _, at = np.unique(nxt, return_index=True)
             for i in np.sort(at):

@@ -18,6 +18,10 @@ by prompt like ours, with decode tok/s measured the same way and whether the tok
 ends when the object closes, so its decode tok/s counts the tokens it has), speculation
 under the same mask as plain decoding.
 
+``--repetition-penalty`` / ``--presence-penalty`` / ``--frequency-penalty``: every batch-1
+request carries these penalties (plain decoding and speculation alike; before 2026-11-30 a
+penalized sequence never speculated).
+
 ``--throughput``: also the workload's 32-prompt throughput set at max_num_seqs=32 with and
 without speculation (it turns itself off above ``speculative_disable_by_batch_size``).
 
@@ -101,12 +105,14 @@ def build(loaded, quant: str | None, spec: dict, max_num_seqs: int = 1):
 
 
 GUIDED = None          # --guided-json: every batch-1 request constrained to a JSON object
+PENALTIES: dict = {}   # --repetition-penalty etc.: every batch-1 request's penalties
 
 
 def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:
     from jaxinfer.config import SamplingParams
 
-    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, guided=GUIDED))[0]
+    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, guided=GUIDED,
+                                                **PENALTIES))[0]
     m, n = out.metrics, len(out.outputs[0].token_ids)      # a grammar may end the output early
     return (n - 1) / max(m.finished_time - m.first_token_time, 1e-9), out.outputs[0].token_ids
 
@@ -241,10 +247,13 @@ def main() -> None:
     p.add_argument("--guided-json", action="store_true",
                    help="batch 1: every request constrained to a JSON object (guided decoding), "
                         "with and without speculation")
+    for name, off in (("repetition", 1.0), ("presence", 0.0), ("frequency", 0.0)):
+        p.add_argument(f"--{name}-penalty", type=float, default=off, help=f"batch 1: every request's {name} penalty")
     args = p.parse_args()
-    global WEIGHT_CODES, GUIDED
+    global WEIGHT_CODES, GUIDED, PENALTIES
     WEIGHT_CODES = args.weight_codes
     GUIDED = {"json_object": True} if args.guided_json else None
+    PENALTIES = {f"{n}_penalty": getattr(args, f"{n}_penalty") for n in ("repetition", "presence", "frequency")}
     if args.quick:
         args.prompts, args.new_tokens = 1, 64
     methods = [m for m in args.methods.split(",") if m]
@@ -258,7 +267,7 @@ def main() -> None:
     cats, source = prompts(args.prompts, Path(args.mt_bench))
     cats = {c: cats[c] for c in args.categories.split(",")}
     res = {"machine": C.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "methods": methods, "guided": GUIDED, "batch1": {},
+           "prompts": source, "new_tokens": args.new_tokens, "k": args.k, "methods": methods, "guided": GUIDED, "penalties": PENALTIES, "batch1": {},
            "load_before": C.load_avg()}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q

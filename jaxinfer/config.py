@@ -756,6 +756,8 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "self", "draft")
+# The longest draft: the sampler's per-row draft-token arrays are this wide (engine/sampler.py)
+MAX_SPECULATIVE_TOKENS = 16
 DRAFT_METHODS = ("self", "draft")        # those that run a draft model
 
 # vLLM's ``speculative_config`` keys -> EngineConfig fields (speculative_fields). "draft_layers"
@@ -873,7 +875,8 @@ def _check_speculative(c: "EngineConfig") -> None:
         v = getattr(c, name)
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
                  f"must be a positive integer, got {v!r}")
-    _require(c.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be <= 16, got {c.num_speculative_tokens}")
+    _require(c.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
+             f"must be <= {MAX_SPECULATIVE_TOKENS}, got {c.num_speculative_tokens}")
     _require(c.speculative_tree_width <= 4, "speculative_tree_width", f"must be <= 4, got {c.speculative_tree_width}")
     _require(c.speculative_tree_width == 1 or m == "ngram", "speculative_tree_width",
              f"candidates come from prompt lookup: > 1 needs speculative_method='ngram' (got {m!r})")

@@ -209,6 +209,7 @@ def test_preempt_newest_and_resume_recomputes_prompt_and_outputs():
     log = []
     while sched.has_unfinished():
         before = new.num_output_tokens
+        new.uncounted_tokens = [7]        # as if its last step accepted a draft token (penalties)
         out = run_step(sched, model)
         log.append([(e.seq.request_id, e.start_pos, e.num_new_tokens) for e in out.scheduled])
         admitted += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
@@ -216,6 +217,7 @@ def test_preempt_newest_and_resume_recomputes_prompt_and_outputs():
             assert out.preempted == [new]             # the newest goes, never the oldest
             assert new.status is SequenceStatus.PREEMPTED and new.page_ids == []
             assert new.num_computed_tokens == 0 and new.num_output_tokens == before
+            assert new.uncounted_tokens == []          # the recompute counts every token again
             assert sched.waiting == [new, third]      # front of the queue
             preempted_at = (len(log), before)
     assert preempted_at is not None and old.num_preemptions == 0 and new.num_preemptions >= 1

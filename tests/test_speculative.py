@@ -9,6 +9,7 @@ fresh seeds the token distribution must be the target's (chi-square).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -407,11 +408,49 @@ def test_seeded_sampling_identical_and_continuous_batching_compiles_nothing(plai
     _no_leak(spec)
 
 
+def test_penalties_speculate_with_the_plain_tokens(plain, spec):
+    """Repetition / presence / frequency penalties under speculation: draft tokens are
+    counted only once accepted, and verification slot j counts the j drafts before it, so
+    the tokens and logprobs are the plain engine's, alone and with requests arriving
+    mid-run (a seeded sampled one too); the penalized requests' drafts are verified and
+    accepted; nothing compiles after warm-up, no page leaks. The prompts lead into the tiny
+    model's one 2-cycle (5, 33, 5, ...), which a frequency penalty breaks after a number
+    of repeats that depends on every counted token: a draft token counted too early, too
+    late or twice moves the break."""
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(3, V, size=4 + 3 * i).tolist() + [5, 33, 5] for i in range(5)]
+    kw = dict(max_tokens=32, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(temperature=0, frequency_penalty=0.45, **kw),
+              SamplingParams(temperature=0, frequency_penalty=0.55, presence_penalty=0.5, **kw),
+              SamplingParams(temperature=0, frequency_penalty=0.65, **kw),
+              SamplingParams(temperature=0, frequency_penalty=0.8, repetition_penalty=1.2, **kw),
+              SamplingParams(temperature=0.8, seed=5, frequency_penalty=0.4, **kw)]
+    want = plain.generate(prompts, params)
+    free = plain.generate(prompts, SamplingParams(temperature=0, **kw))
+    # the penalties change what these prompts give (else this would test nothing)
+    assert all(w.outputs[0].token_ids != f.outputs[0].token_ids for w, f in zip(want, free))
+    s0 = spec.stats()
+    for p, sp, w in zip(prompts, params, want):                  # alone
+        got = spec.generate([p], sp)
+        _same([w], got, f"alone {sp}")
+        assert got[0].outputs[0].logprobs == w.outputs[0].logprobs
+    st = spec.stats()
+    assert st["spec_decode_num_accepted_tokens"] - s0["spec_decode_num_accepted_tokens"] > 20
+    outs, compiles = run_with_arrivals(spec, prompts, params, np.random.RandomState(5), "pen", 2)
+    assert compiles == 0
+    _same(want, [outs[f"pen{i}"] for i in range(len(prompts))], "batched")
+    for i, w in enumerate(want):
+        assert outs[f"pen{i}"].outputs[0].logprobs == w.outputs[0].logprobs
+    _no_leak(spec)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_preemption(tiny, plain, draft_dir, method):
     eng = Engine(loaded=tiny, **{**KW, "num_pages": 17}, **method_options(method, draft_dir))
     prompts = _prompts(4, seed=3)
     ps = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    # half with a frequency penalty: a recompute rebuilds its counts (accepted drafts included)
+    ps = [ps, dataclasses.replace(ps, frequency_penalty=0.5)] * 2
     want = plain.generate(prompts, ps)
     _same(want, eng.generate(prompts, ps), "preemption")
     assert eng.stats()["num_preemptions_total"] > 0 and eng.stats()["spec_decode_num_accepted_tokens"] > 0

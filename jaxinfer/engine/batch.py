@@ -279,7 +279,8 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
         positions[sl] = pos
         slot_mapping[sl] = pages[pos // page_size] * page_size + pos % page_size
         row = rows_of[seq.seq_id]
-        token_rows[sl] = row
+        # a draft token is not counted (it may be rejected; engine/speculative.py)
+        token_rows[sl] = row if token is None else PAD_ROW
         token_is_output[sl] = pos >= seq.num_prompt_tokens
         if seq.lora_id:
             lora_slots[sl] = lora_slot_of[seq.lora_id]

@@ -29,7 +29,7 @@ from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
-from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
+from jaxinfer.engine.speculative import make_speculator, penalized, spec_decode_sizes, speculable
 
 log = logging.getLogger("jaxinfer")
 
@@ -518,6 +518,7 @@ class Engine:
         n = batch.bucket.sample_rows
         params: list[SamplingParams | None] = [None] * n
         seeds, steps, prev = [0] * n, [0] * n, [0] * n
+        draft_before, counts_add = {}, {}       # penalties under speculation (engine/speculative.py)
         for slot, e in batch.entries:
             req = self.output.requests[e.seq.request_id]
             end = e.start_pos + e.num_new_tokens - len(e.draft)
@@ -527,7 +528,12 @@ class Engine:
                 seeds[slot + j] = req.seeds[e.seq.sample_index]
                 steps[slot + j] = e.seq.num_output_tokens + j
                 prev[slot + j] = fed               # the watermark's green list follows it
-        return S.sampling_tensors_from_params(params, seeds, steps, n, prev)
+                if j and penalized(e.seq.params):
+                    draft_before[slot + j] = e.draft[:j]
+            if e.seq.uncounted_tokens:
+                counts_add[slot] = e.seq.uncounted_tokens
+                e.seq.uncounted_tokens = []
+        return S.sampling_tensors_from_params(params, seeds, steps, n, prev, draft_before, counts_add)
 
     def _token_mask(self, batch) -> Callable[[], Any] | None:
         """The step's TokenMask builder for the runner (called while the device runs the

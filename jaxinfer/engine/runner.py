@@ -90,6 +90,8 @@ def _update_penalty_state(pen, t: S.SamplingTensors, a: dict[str, jax.Array]):
         reset = jnp.where(a["reset_rows"], a["rows"], 0)          # row 0 is the padding sink
         pm = pm.at[reset].set(False)
         oc = oc.at[reset].set(0)
+        # a speculating sequence's accepted drafts of its previous step (fed uncounted)
+        oc = S.add_counts(oc, a["rows"], t.counts_add[:a["rows"].shape[0]])
         is_out = a["token_is_output"]
         pm = pm.at[a["token_rows"], a["tokens"]].max(~is_out)
         oc = oc.at[a["token_rows"], a["tokens"]].add(is_out.astype(jnp.int32))
@@ -201,7 +203,8 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
                  reset_rows=arrays["reset_rows"] & (i == 0),
                  token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
         ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
-                                 prev_token=jnp.pad(tokens, (0, Sp - D)))     # the watermark's seed
+                                 prev_token=jnp.pad(tokens, (0, Sp - D)),     # the watermark's seed
+                                 counts_add=jnp.where(i == 0, t.counts_add, -1))     # folded once
         logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
                                 mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers,
                                 layer_loop=layer_loop)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from jaxinfer.engine.watermark import green_mask
 from jaxinfer.reductions import row_sum
 
@@ -99,6 +99,14 @@ class SamplingTensors:
     watermark_delta: jax.Array     # f32[B]
     watermark_threshold: jax.Array  # u32[B]
     prev_token: jax.Array          # i32[B]; the token fed at this step (the last of the row)
+    # Speculative decoding with penalties (engine/speculative.py; -1 = none). A draft token
+    # is fed without being counted in the row's penalty state (it may be rejected), so
+    # ``draft_before`` lists the draft tokens fed in this verification's earlier slots,
+    # which this row's penalties count on top of the state; ``counts_add`` the row's output
+    # tokens the state still lacks (its accepted drafts of the previous step), folded in
+    # before the step's own tokens.
+    draft_before: jax.Array        # i32[B, MAX_SPECULATIVE_TOKENS]
+    counts_add: jax.Array          # i32[B, MAX_SPECULATIVE_TOKENS]
 
     @property
     def batch_size(self) -> int:
@@ -107,12 +115,16 @@ class SamplingTensors:
 
 def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds: Sequence[int],
                                  steps: Sequence[int], batch_size: int,
-                                 prev_tokens: Sequence[int] | None = None) -> SamplingTensors:
+                                 prev_tokens: Sequence[int] | None = None,
+                                 draft_before: dict[int, Sequence[int]] | None = None,
+                                 counts_add: dict[int, Sequence[int]] | None = None) -> SamplingTensors:
     """Host side: numpy arrays for ``batch_size`` rows; missing / None rows are greedy padding.
 
     ``seeds[i]`` is the row's explicit seed (the engine draws one when ``params.seed`` is
     None); it is taken modulo 2**64. ``steps[i]`` is the index of the token being sampled.
     ``prev_tokens[i]``: the row's last token (needed by watermarked rows only).
+    ``draft_before`` / ``counts_add``: {row: tokens} (``SamplingTensors``: why), up to
+    MAX_SPECULATIVE_TOKENS each.
     """
     n = len(params)
     if n > batch_size:
@@ -129,6 +141,11 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
     wm_delta = np.zeros(batch_size, np.float32)
     wm_thr = np.zeros(batch_size, np.uint32)
     prev = np.zeros(batch_size, np.int32)
+    extra = {}
+    for name, given in (("draft_before", draft_before), ("counts_add", counts_add)):
+        extra[name] = a = np.full((batch_size, MAX_SPECULATIVE_TOKENS), -1, np.int32)
+        for i, toks in (given or {}).items():
+            a[i, :len(toks)] = toks
     if prev_tokens is not None:
         if len(prev_tokens) != n:
             raise ValueError(f"prev_tokens: need one per row ({n}), got {len(prev_tokens)}")
@@ -152,7 +169,7 @@ def sampling_tensors_from_params(params: Sequence[SamplingParams | None], seeds:
                 raise ValueError("prev_tokens: watermarked rows need their previous token")
             wm_delta[i], wm_thr[i] = p.watermark.delta, p.watermark.threshold
     return SamplingTensors(temp, top_k, top_p, min_p, rep, pres, freq, seed, step, nlp,
-                           wm_delta, wm_thr, prev)
+                           wm_delta, wm_thr, prev, extra["draft_before"], extra["counts_add"])
 
 
 # ----------------------------------------------------------------------------- token mask
@@ -199,6 +216,13 @@ def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: ja
         logits = jnp.where(prompt_mask | out_seen, penalized, logits)
         logits = logits - t.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
         return logits - jnp.where(out_seen, t.presence_penalty[:, None], 0.0)
+
+
+def add_counts(counts: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``counts`` i32[R, V] with one more occurrence of each ``tokens`` i32[N, K] entry
+    (-1: none) in row ``rows[n]`` (i32[N])."""
+    return counts.at[jnp.broadcast_to(rows[:, None], tokens.shape), jnp.maximum(tokens, 0)].add(
+        (tokens >= 0).astype(counts.dtype))
 
 
 def any_penalty(t: SamplingTensors) -> jax.Array:
@@ -446,7 +470,8 @@ def _check_shapes(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> N
     b, v = logits.shape
     for f in dataclasses.fields(t):
         x = getattr(t, f.name)
-        want = (b, 2) if f.name == "seed" else (b,)
+        want = {"seed": (b, 2), "draft_before": (b, MAX_SPECULATIVE_TOKENS),
+                "counts_add": (b, MAX_SPECULATIVE_TOKENS)}.get(f.name, (b,))
         if tuple(x.shape) != want:
             raise ValueError(f"SamplingTensors.{f.name}: expected shape {want}, got {tuple(x.shape)}")
     if not 0 <= num_logprobs <= v:
@@ -517,7 +542,9 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, *,
 
     def block(rows):                                        # rows: i32[blk]
         tb = jax.tree.map(lambda a: a[rows], t)
-        pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], pen[1][pen[2][rows]]))
+        # a verification slot's penalties also count the draft tokens fed before it
+        pen_of = None if pen is None else (lambda: (pen[0][pen[2][rows]], add_counts(
+            pen[1][pen[2][rows]], jnp.arange(len(rows)), tb.draft_before)))
         mb = None if token_mask is None else jax.tree.map(lambda a: a[rows], token_mask)
         return _sample_block(logits[rows], pen_of, tb, mask=mb, **kw)
 

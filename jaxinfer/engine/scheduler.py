@@ -496,6 +496,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.uncounted_tokens = []          # the recompute feeds (and counts) every token again
         seq.status = _PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions_total += 1

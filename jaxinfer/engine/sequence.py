@@ -65,6 +65,10 @@ class Sequence:
     # The LoRA adapter this sequence runs with (engine/lora.py LoraAdapter.lora_id, unique
     # per load), 0 = the base model. Part of its prefix-cache hash chain.
     lora_id: int = 0
+    # Output tokens the device's penalty state does not count yet: accepted draft tokens
+    # (fed as drafts, uncounted), folded in at the sequence's next step. Only with
+    # penalties (engine/speculative.py).
+    uncounted_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

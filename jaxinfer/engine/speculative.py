@@ -37,8 +37,14 @@ mask plain decoding would use after the first j draft tokens (guided.fill_run: t
 matcher steps through them and rolls back), so the sampled tokens are still the plain
 path's; the accepted run then advances the grammar one token at a time.
 
-Not speculated (they decode one token per step as usual): sequences with repetition /
-presence / frequency penalties (the device's penalty state counts every fed token); steps that carry a
+Penalties (repetition / presence / frequency) speculate too: a draft token is fed without
+being counted in the sequence's penalty-state row (batch.py gives it the sink row), slot j's
+penalties count the first j draft tokens on top of the row (``SamplingTensors.draft_before``),
+and the accepted ones are folded into the row at the sequence's next step
+(``Sequence.uncounted_tokens`` -> ``SamplingTensors.counts_add``), so every slot sees the
+counts plain decoding would. Such a sequence verifies one chain (no tree branches).
+
+Not speculated (they decode one token per step as usual): beam search; steps that carry a
 prefill or could admit one; batches larger than ``speculative_disable_by_batch_size``;
 a sequence whose recent drafts were mostly rejected, for a few steps.
 """
@@ -167,7 +173,7 @@ class Speculator:
                 continue
             if isinstance(self.proposer, NgramProposer):
                 chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
-                                                  c.speculative_tree_width)
+                                                  1 if penalized(seq.params) else c.speculative_tree_width)
                 if allowed is not None:
                     chains = [ch[:allowed(seq, ch)] for ch in chains]
                     chains = [ch for ch in chains if ch]
@@ -222,6 +228,8 @@ class Speculator:
                          for s, x in [(slot, e)] + branches.get(e.seq.seq_id, [])]
                 win, n = tree.pick(tries, bm) if len(tries) > 1 else (slot, tries[0][2])
                 self._record(e.seq, sum(len(x.draft) for _, x, _ in tries), n)
+                if penalized(e.seq.params):       # fed uncounted: counted at the next step
+                    e.seq.uncounted_tokens = token_ids[win:win + n].tolist()
                 # the root row (slot 0 of every chain) is the same bits in each: the
                 # parent's gives the first token, the winner's slots the rest
                 runs.append((win, e.seq, n + 1, 1))
@@ -288,12 +296,16 @@ def make_speculator(config: EngineConfig, draft: Any = None) -> Speculator | Non
 
 
 def speculable(seq: Sequence) -> bool:
-    """Whether ``seq`` may speculate: no penalties (the device's penalty state counts every
-    fed token, rejected drafts included), no beam search (its tokens are chosen on the host
-    after each step). A token mask (grammar, min_tokens, bad words, logit_bias) is fine:
-    each verification slot gets the mask plain decoding would use there (guided.fill_run)."""
-    p = seq.params
-    return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and p.beam_width == 1
+    """Whether ``seq`` may speculate: not in a beam search (its tokens are chosen on the
+    host after each step). A token mask (grammar, min_tokens, bad words, logit_bias) is
+    fine: each verification slot gets the mask plain decoding would use there
+    (guided.fill_run); so are penalties (the module's docstring: how)."""
+    return seq.params.beam_width == 1
+
+
+def penalized(p: Any) -> bool:
+    """Whether SamplingParams ``p`` has a repetition, presence or frequency penalty."""
+    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
 def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int, tree_width: int = 1

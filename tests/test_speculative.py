@@ -174,6 +174,52 @@ def test_scheduler_budgets_drafts_and_trim_frees_pages():
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_pause_backs_off_while_rounds_fail(method):
+    """A sequence whose rounds keep failing proposes again after 8, 16, 32, ... plain steps
+    (prompt lookup; a draft model's first pause is 32), one round tried in between, up
+    to 128; a round that meets the floor ends the back-off."""
+    from jaxinfer.engine.speculative import Speculator
+
+    bm = BlockManager(80, 4)
+    sched = Scheduler(bm, 4, 64, 256)
+    seq = make_sequences("r", [5, 6, 7] * 3, SamplingParams(max_tokens=200))[0]
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), {seq.seq_id: 5})
+    cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=7)
+    spec = Speculator(cfg, NgramProposer(1, 3) if method == "ngram" else _Always([6, 7, 5, 6, 7, 5, 6]))
+
+    def gaps(accepted: int, rounds: int) -> list[int]:
+        """Plain steps before each of ``rounds`` rounds, each yielding ``accepted`` tokens."""
+        out, gap = [], 0
+        while len(out) < rounds:
+            if spec.propose(sched, 8, lambda s: True):
+                out.append(gap)
+                gap = 0
+                spec._pace(seq, accepted)
+            else:
+                gap += 1
+        return out
+
+    first = 8 if method == "ngram" else 32
+    # the first round is given the benefit of the doubt, then each failed probe doubles
+    assert gaps(0, 7) == [0, 0, first, 2 * first, 4 * first, min(8 * first, 128), 128][:7]
+    good = 7 if method == "self" else 1
+    gaps(good, 1)                       # a good round ends the back-off
+    assert gaps(0, 2) == [0, first]     # EMA above the floor lets one failure pass
+    assert spec.min_accepted == (0.5 if method == "ngram" else 3.5)
+
+
+class _Always:
+    """A draft model stand-in that proposes the same tokens for every sequence."""
+
+    def __init__(self, draft: list[int]):
+        self.draft = draft
+
+    def propose(self, sched, wanted, ensure):
+        return {seq.seq_id: self.draft[:k] for seq, k in wanted}
+
+
 def test_config_refuses_unsupported():
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="medusa")

@@ -62,11 +62,22 @@ from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.spec_tree import TreeBranches
 
-# A sequence whose moving average of accepted tokens per verified draft drops below this
-# stops proposing for PAUSE_STEPS steps: a verification step costs more than a plain one
-# (more rows), which half a token per step does not pay back.
+# A sequence whose moving average of accepted draft tokens per verification falls below
+# its method's floor stops proposing for a while: a verification step (and a draft model's
+# proposals) costs more than a plain step, which few accepted tokens do not pay back.
+# Prompt lookup: floor half a token, first pause 8 steps (its proposals are free; a failed
+# round costs only the verification's extra rows, ~0.65 of a plain step for float32 on a
+# 2-core CPU). A draft model: floor half the draft length, first pause 32 steps (its k
+# proposals cost k draft steps: at ~0.46 of a float32 target step each, a round of 7 pays
+# from ~4 accepted tokens on, and a failed one wastes ~4 plain steps: benchmarks/RESULTS.md).
+# After a pause one round is tried; if it fails too the next pause doubles, up to
+# MAX_PAUSE_STEPS, so a sequence that never gains (say, under a penalty the draft does not
+# apply) pays for a probe every so often, not every few steps.
 MIN_ACCEPTED = 0.5
+MIN_ACCEPTED_DRAFT_FRACTION = 0.5
 PAUSE_STEPS = 8
+PAUSE_STEPS_DRAFT = 32
+MAX_PAUSE_STEPS = 128
 
 
 class NgramProposer:
@@ -117,8 +128,9 @@ class NgramProposer:
 
 @dataclass(slots=True)
 class _SeqState:
-    accepted: float = 2.0        # moving average of draft tokens accepted per verification
+    accepted: float              # moving average of draft tokens accepted per verification
     paused: int = 0              # steps left without proposing
+    failed: int = 0              # pauses since the last round that met the floor
 
 
 @dataclass
@@ -136,6 +148,9 @@ class Speculator:
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
+        lookup = isinstance(self.proposer, NgramProposer)
+        self.min_accepted = MIN_ACCEPTED if lookup else MIN_ACCEPTED_DRAFT_FRACTION * self.config.num_speculative_tokens
+        self.pause_steps = PAUSE_STEPS if lookup else PAUSE_STEPS_DRAFT
 
     def propose(self, sched: Scheduler, max_slots: int, eligible: Callable[[Sequence], bool],
                 ensure: Callable[[Any, Any], None] | None = None,
@@ -154,7 +169,7 @@ class Speculator:
             return {}
         if any(s.num_new_tokens_needed != 1 for s in running):
             return {}
-        self._states = {s.seq_id: self._states.get(s.seq_id) or _SeqState() for s in running}
+        self._states = {s.seq_id: self._states.get(s.seq_id) or _SeqState(2 * self.min_accepted) for s in running}
         spare = min(max_slots, sched.max_num_batched_tokens) - len(running)
         drafts: dict[int, list[int]] = {}
         wanted: list[tuple[Sequence, int]] = []      # a draft model's: (sequence, tokens), all at once
@@ -163,8 +178,8 @@ class Speculator:
             st = self._states[seq.seq_id]
             if st.paused:
                 st.paused -= 1
-                if not st.paused:
-                    st.accepted = MIN_ACCEPTED * 2
+                if not st.paused:              # one round to prove itself
+                    st.accepted = self.min_accepted
                 continue
             # no token past max_tokens or max_model_len is ever fed
             k = min(c.num_speculative_tokens, spare, seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -266,13 +281,16 @@ class Speculator:
         self._pace(seq, n)
 
     def _pace(self, seq: Sequence, n: int) -> None:
-        """A round of ``seq``'s speculation yielded ``n`` draft tokens: pause it for a few
-        steps while its moving average stays under MIN_ACCEPTED."""
+        """A round of ``seq``'s speculation yielded ``n`` draft tokens: pause it while its
+        moving average stays under the method's floor, longer after each failed probe."""
         st = self._states.get(seq.seq_id)
         if st is not None:
             st.accepted = 0.5 * st.accepted + 0.5 * n
-            if st.accepted < MIN_ACCEPTED:
-                st.paused = PAUSE_STEPS
+            if n >= self.min_accepted:
+                st.failed = 0
+            if st.accepted < self.min_accepted:
+                st.paused = min(self.pause_steps << st.failed, MAX_PAUSE_STEPS)
+                st.failed = min(st.failed + 1, 8)
 
     def stats(self) -> dict[str, Any]:
         """vLLM's spec-decode counters (per-position: accepted draft tokens at position j),

@@ -202,8 +202,9 @@ def test_pause_backs_off_while_rounds_fail(method):
         return out
 
     first = 8 if method == "ngram" else 32
-    # the first round is given the benefit of the doubt, then each failed probe doubles
-    assert gaps(0, 7) == [0, 0, first, 2 * first, 4 * first, min(8 * first, 128), 128][:7]
+    # the first rounds get the benefit of the doubt (the average starts at twice the
+    # floor and moves a quarter of the way per round), then each failed probe doubles
+    assert gaps(0, 8) == [0, 0, 0, first, 2 * first, 4 * first, min(8 * first, 128), 128]
     good = 7 if method == "self" else 1
     gaps(good, 1)                       # a good round ends the back-off
     assert gaps(0, 2) == [0, first]     # EMA above the floor lets one failure pass

@@ -62,8 +62,9 @@ from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.spec_tree import TreeBranches
 
-# A sequence whose moving average of accepted draft tokens per verification falls below
-# its method's floor stops proposing for a while: a verification step (and a draft model's
+# A sequence whose moving average of accepted draft tokens per verification (each round
+# moves it a quarter of the way: acceptance comes in bursts, and one bad round should not
+# cost a long pause) falls below its method's floor stops proposing for a while: a verification step (and a draft model's
 # proposals) costs more than a plain step, which few accepted tokens do not pay back.
 # Prompt lookup: floor half a token, first pause 8 steps (its proposals are free; a failed
 # round costs only the verification's extra rows, ~0.65 of a plain step for float32 on a
@@ -285,7 +286,7 @@ class Speculator:
         moving average stays under the method's floor, longer after each failed probe."""
         st = self._states.get(seq.seq_id)
         if st is not None:
-            st.accepted = 0.5 * st.accepted + 0.5 * n
+            st.accepted = 0.75 * st.accepted + 0.25 * n
             if n >= self.min_accepted:
                 st.failed = 0
             if st.accepted < self.min_accepted:

@@ -418,6 +418,12 @@ class SamplingParams:
     }
     _OPTIONAL = ("logprobs", "prompt_logprobs", "best_of")     # None: off
 
+    @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty is set (the device keeps penalty
+        state for the sequence)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def __post_init__(self) -> None:
         # Accept lists / single strings for convenience but store tuples (hashable, frozen).
         if isinstance(self.stop, str):

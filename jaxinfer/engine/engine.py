@@ -29,7 +29,7 @@ from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
-from jaxinfer.engine.speculative import make_speculator, penalized, spec_decode_sizes, speculable
+from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
 
 log = logging.getLogger("jaxinfer")
 
@@ -528,7 +528,7 @@ class Engine:
                 seeds[slot + j] = req.seeds[e.seq.sample_index]
                 steps[slot + j] = e.seq.num_output_tokens + j
                 prev[slot + j] = fed               # the watermark's green list follows it
-                if j and penalized(e.seq.params):
+                if j and e.seq.params.penalized:
                     draft_before[slot + j] = e.draft[:j]
             if e.seq.uncounted_tokens:
                 counts_add[slot] = e.seq.uncounted_tokens

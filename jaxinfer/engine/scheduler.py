@@ -472,7 +472,7 @@ class Scheduler:
     def _prefix_for(self, seq: Sequence) -> list[int | HostPage] | None:
         """Computed pages ``seq`` can start from, or None if it should wait for a sibling."""
         p = seq.params
-        if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+        if p.penalized:
             # The device rebuilds penalty state from the tokens a sequence feeds, so a
             # penalized sequence computes its whole prompt itself.
             return []

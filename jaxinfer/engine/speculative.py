@@ -46,7 +46,7 @@ counts plain decoding would. Such a sequence verifies one chain (no tree branche
 
 Not speculated (they decode one token per step as usual): beam search; steps that carry a
 prefill or could admit one; batches larger than ``speculative_disable_by_batch_size``;
-a sequence whose recent drafts were mostly rejected, for a few steps.
+a sequence whose recent drafts were mostly rejected, for a while (the pause rule below).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ from jaxinfer.engine.spec_tree import TreeBranches
 
 # A sequence whose moving average of accepted draft tokens per verification (each round
 # moves it a quarter of the way: acceptance comes in bursts, and one bad round should not
-# cost a long pause) falls below its method's floor stops proposing for a while: a verification step (and a draft model's
-# proposals) costs more than a plain step, which few accepted tokens do not pay back.
+# cost a long pause) falls below its method's floor stops proposing for a while: a
+# verification step (and a draft model's proposals) costs more than a plain step, which
+# few accepted tokens do not pay back.
 # Prompt lookup: floor half a token, first pause 8 steps (its proposals are free; a failed
 # round costs only the verification's extra rows, ~0.65 of a plain step for float32 on a
 # 2-core CPU). A draft model: floor half the draft length, first pause 32 steps (its k
@@ -189,7 +190,7 @@ class Speculator:
                 continue
             if isinstance(self.proposer, NgramProposer):
                 chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
-                                                  1 if penalized(seq.params) else c.speculative_tree_width)
+                                                  1 if seq.params.penalized else c.speculative_tree_width)
                 if allowed is not None:
                     chains = [ch[:allowed(seq, ch)] for ch in chains]
                     chains = [ch for ch in chains if ch]
@@ -244,7 +245,7 @@ class Speculator:
                          for s, x in [(slot, e)] + branches.get(e.seq.seq_id, [])]
                 win, n = tree.pick(tries, bm) if len(tries) > 1 else (slot, tries[0][2])
                 self._record(e.seq, sum(len(x.draft) for _, x, _ in tries), n)
-                if penalized(e.seq.params):       # fed uncounted: counted at the next step
+                if e.seq.params.penalized:        # fed uncounted: counted at the next step
                     e.seq.uncounted_tokens = token_ids[win:win + n].tolist()
                 # the root row (slot 0 of every chain) is the same bits in each: the
                 # parent's gives the first token, the winner's slots the rest
@@ -321,10 +322,6 @@ def speculable(seq: Sequence) -> bool:
     (guided.fill_run); so are penalties (the module's docstring: how)."""
     return seq.params.beam_width == 1
 
-
-def penalized(p: Any) -> bool:
-    """Whether SamplingParams ``p`` has a repetition, presence or frequency penalty."""
-    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
 def spec_decode_sizes(decode_sizes: tuple[int, ...], num_speculative_tokens: int, tree_width: int = 1

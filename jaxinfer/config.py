@@ -62,6 +62,12 @@ def kv_cache_dtype(c: "EngineConfig") -> str | None:
     return None if d == "model" else d
 
 
+INT32_MAX = 2**31 - 1            # the device's token / count arrays are int32
+MAX_TEMPERATURE = 1e4             # beyond it every row is uniform anyway (float32 logits / t)
+MAX_REPETITION_PENALTY = 1e4
+MAX_LENGTH_PENALTY = 10.0
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
@@ -406,17 +412,27 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MAX_BEAM_WIDTH = 10        # 2 * width candidates per beam must fit the top-MAX_LOGPROBS
     MAX_CACHE_SALT_CHARS = 1024
-    # The numeric fields' ranges (Bound); min_tokens is also capped by max_tokens.
+    MAX_SAMPLES = 1024         # n / best_of: sequences of one request (the engine's max_num_seqs caps it too)
+    # The numeric fields' ranges (Bound), each closed on both sides: every value reaches an
+    # int32 / float32 device array or a float power, so an open end is a crash waiting for
+    # a client (2**31 in top_k, 1e308 in length_penalty). min_tokens is also capped by
+    # max_tokens, top_k by the vocabulary (Engine.add_request; the server when parsing).
     BOUNDS = {
-        "n": Bound(True, 1), "max_tokens": Bound(True, 1), "temperature": Bound(False, 0, note="0: greedy"),
-        "top_p": Bound(False, 0, 1, lo_open=True), "top_k": Bound(True, -1, note="0 or -1: disabled"),
-        "min_p": Bound(False, 0, 1), "repetition_penalty": Bound(False, 0, lo_open=True),
+        "n": Bound(True, 1, MAX_SAMPLES), "max_tokens": Bound(True, 1, INT32_MAX),
+        "temperature": Bound(False, 0, MAX_TEMPERATURE, note="0: greedy"),
+        "top_p": Bound(False, 0, 1, lo_open=True),
+        "top_k": Bound(True, -1, INT32_MAX, note="0 or -1: disabled; at most the vocabulary size"),
+        "min_p": Bound(False, 0, 1), "repetition_penalty": Bound(False, 0, MAX_REPETITION_PENALTY, lo_open=True),
         "presence_penalty": Bound(False, -2, 2), "frequency_penalty": Bound(False, -2, 2),
-        "logprobs": Bound(True, 0, MAX_LOGPROBS), "min_tokens": Bound(True, 0),
-        "prompt_logprobs": Bound(True, 0, MAX_LOGPROBS), "best_of": Bound(True, 1),
-        "beam_width": Bound(True, 1, MAX_BEAM_WIDTH, note="1: no beam search"), "length_penalty": Bound(False),
+        "logprobs": Bound(True, 0, MAX_LOGPROBS), "min_tokens": Bound(True, 0, INT32_MAX),
+        "prompt_logprobs": Bound(True, 0, MAX_LOGPROBS), "best_of": Bound(True, 1, MAX_SAMPLES),
+        "beam_width": Bound(True, 1, MAX_BEAM_WIDTH, note="1: no beam search"),
+        # generated_length ** length_penalty stays finite (and non-zero) for any length up
+        # to 2**20 tokens; HF's and vLLM's defaults live in [0, 2]
+        "length_penalty": Bound(False, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+        "seed": Bound(True, -2**63, 2**63 - 1, note="64 bits"),
     }
-    _OPTIONAL = ("logprobs", "prompt_logprobs", "best_of")     # None: off
+    _OPTIONAL = ("logprobs", "prompt_logprobs", "best_of", "seed")     # None: off
 
     @property
     def penalized(self) -> bool:
@@ -438,12 +454,10 @@ class SamplingParams:
                 continue                     # scoring only: the prompt's logprobs, no output
             if not (name in self._OPTIONAL and v is None):
                 _require(bound.ok(v), name, f"must be {bound.text()}, got {v!r:.80}")
-        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-                 "seed", f"must be an integer or None, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  f"must be non-empty strings, got {self.stop!r}")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 f"must be non-negative integers, got {self.stop_token_ids!r}")
+        _require(all(isinstance(t, int) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+                 f"must be token ids (integers in [0, {INT32_MAX}]), got {self.stop_token_ids!r:.80}")
         _require(self.cache_salt is None or (isinstance(self.cache_salt, str)
                  and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS), "cache_salt",
                  f"must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters or None, "

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from jaxinfer.config import SamplingParams
 from serving.errors import bad
 
 
@@ -13,6 +14,7 @@ MAX_STOP = 16            # stop strings per request
 MAX_STOP_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+_TOP_K = SamplingParams.BOUNDS["top_k"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,14 @@ class Fields:
             raise bad(self.name(key), f"must be >= {lo}, got {v}")
         if hi is not None and v > hi:
             raise bad(self.name(key), f"must be <= {hi}, got {v}")
+        return v
+
+    def top_k(self, key: str, default: int | None, limits: "Limits", lo: int = -1) -> int | None:
+        """top_k, at most the vocabulary (a larger k keeps every token: say so, not crash
+        on an int32 array)."""
+        v = self.int(key, default, lo=lo, hi=_TOP_K.hi)
+        if v is not None and limits.vocab_size is not None and v > limits.vocab_size:
+            raise bad(self.name(key), f"must be <= the vocabulary size {limits.vocab_size}, got {v}")
         return v
 
     def num(self, key: str, default: float | None = None) -> float | None:

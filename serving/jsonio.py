@@ -5,27 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jaxinfer import untrusted_json
 from serving.errors import ProtocolError, bad
-
-
-# Longer integer literals are refused while parsing: no field takes one (seeds stop at 20
-# digits), and Python's own limit (4300 digits) would answer with an interpreter hint.
-MAX_INT_DIGITS = 64
-
-
-class _BadLiteral(ValueError):
-    """A JSON literal we refuse; its message is written for the client."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise _BadLiteral(f"{name} is not valid JSON")
-
-
-def _parse_int(s: str) -> int:
-    if len(s) > MAX_INT_DIGITS + 1:
-        raise _BadLiteral(f"an integer literal has {len(s.lstrip('-'))} digits (at most "
-                          f"{MAX_INT_DIGITS} are accepted)")
-    return int(s)
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -37,13 +18,9 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError as e:
         raise ProtocolError(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_json")
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
-    except RecursionError:
-        raise ProtocolError("request body is nested too deeply", code="invalid_json")
-    except (json.JSONDecodeError, _BadLiteral) as e:   # their messages name only the input
-        raise ProtocolError(f"request body is not valid JSON: {e}", code="invalid_json")
-    except ValueError:   # anything else the decoder raises: its text may be about Python
-        raise ProtocolError("request body is not valid JSON", code="invalid_json")
+        body = untrusted_json.loads(text)
+    except untrusted_json.UntrustedJSONError as e:   # its message names only the input
+        raise ProtocolError(f"request body {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}",
                             code="invalid_json")

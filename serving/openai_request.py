@@ -30,7 +30,7 @@ def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
         n=n,
         temperature=f.num("temperature", 1.0),
         top_p=f.num("top_p", 1.0),
-        top_k=f.int("top_k", 0),
+        top_k=f.top_k("top_k", 0, limits),
         min_p=f.num("min_p", 0.0),
         presence_penalty=f.num("presence_penalty", 0.0),
         frequency_penalty=f.num("frequency_penalty", 0.0),

@@ -49,7 +49,7 @@ def _parse_tgi(body: dict, limits: Limits, tokenizer: Any, stream: bool) -> GenR
     if temperature is not None and temperature <= 0:
         raise bad("parameters.temperature", f"must be strictly positive, got {temperature}")
     top_p = f.num("top_p", None)
-    top_k = f.int("top_k", None, lo=1)
+    top_k = f.top_k("top_k", None, limits, lo=1)
     do_sample = f.bool("do_sample", False)
     sample = do_sample or temperature is not None or top_p is not None or top_k is not None
     seed = f.int("seed", None, lo=0, hi=SEED_MAX)

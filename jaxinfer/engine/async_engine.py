@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from jaxinfer.config import CompletionOutput, RequestOutput, SamplingParams
-from jaxinfer.errors import EngineDeadError
+from jaxinfer.errors import EngineDeadError, RequestFailedError, StepFailedError
 
 log = logging.getLogger("jaxinfer")
 
@@ -72,6 +72,7 @@ class AsyncEngine:
         self._stopping = False
         self.is_dead = False
         self.error: BaseException | None = None
+        self._on_death: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self._thread.start()
         self.is_ready = True
@@ -89,14 +90,44 @@ class AsyncEngine:
                 for cmd in inbox:
                     self._run_command(cmd)
                 if self.engine.has_unfinished():
-                    for out in self.engine.step(deltas=True):
-                        self._deliver(out.request_id, out)
+                    self._step()
         except BaseException as e:   # noqa: BLE001 - the loop must report any death
-            log.exception("engine loop died")
-            with self._wake:
-                self.error, self.is_dead = e, True
-            for rid in list(self._queues):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+            self._die(e)
+
+    def _step(self) -> None:
+        """One engine step, its outputs to their callers. A step that failed took only its
+        own requests with it (Engine._step_failed): they get the error, the loop goes on."""
+        try:
+            outs = self.engine.step(deltas=True)
+        except StepFailedError as e:
+            for rid in e.request_ids:
+                self._deliver(rid, RequestFailedError(f"the engine failed while running this request "
+                                                      f"({type(e.cause).__name__}); other requests are unaffected"))
+            return
+        for out in outs:
+            self._deliver(out.request_id, out)
+
+    def _die(self, e: BaseException) -> None:
+        """The loop cannot go on (the device state is lost, or a bug outside any one step):
+        fail every request in flight, then tell whoever watches (the server exits non-zero,
+        so a supervisor restarts it, instead of answering 503 forever)."""
+        log.exception("engine loop died", exc_info=e)
+        with self._wake:
+            self.error, self.is_dead = e, True
+        for rid in list(self._queues):
+            self._deliver(rid, EngineDeadError(f"the engine has stopped: {type(e).__name__}"))
+        for callback in self._on_death:
+            try:
+                callback(e)
+            except Exception:   # noqa: BLE001 - a watcher's bug must not hide the death
+                log.exception("engine death callback failed")
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (from the engine thread) if the loop dies; at once if it has."""
+        with self._wake:
+            dead, self._on_death = self.is_dead, self._on_death + [callback]
+        if dead:
+            callback(self.error)
 
     def _run_command(self, cmd: tuple) -> None:
         if cmd[0] == "abort":

@@ -31,6 +31,8 @@ from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
 from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
 
+from jaxinfer.errors import EngineDeadError, StepFailedError
+
 log = logging.getLogger("jaxinfer")
 
 Prompt = str | list[int] | list[dict]
@@ -136,6 +138,11 @@ class Engine:
         self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.num_steps = 0
         self._grammars: Any = None           # guided.GrammarCompiler, built on first use
+        self._stepping: set[str] = set()     # request ids of the step in flight (_step_failed)
+        self.num_failed_steps = 0
+        # tests: called with each scheduled step before its batch is built; what it raises
+        # fails that step (the engine aborts its requests and goes on)
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.compile_seconds = self._warmup(progress)
@@ -321,6 +328,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        self._check_for_model(params)
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("prompt: tokenizes to zero tokens")
@@ -358,6 +366,15 @@ class Engine:
             replica, constraints=constraints, beam=beam,
             prompt_logprobs=search.prompt_logprob_list(params, len(ids)))
         return request_id
+
+    def _check_for_model(self, p: SamplingParams) -> None:
+        """The bounds SamplingParams cannot know: those of this model's vocabulary."""
+        V = self.model_config.vocab_size
+        if p.top_k > V:
+            raise ValueError(f"top_k: must be <= the vocabulary size {V}, got {p.top_k}")
+        bad = [t for t in p.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range (vocabulary of {V})")
 
     def _constraints(self, p: SamplingParams) -> list[Any]:
         """One guided.SequenceConstraints per sample; raises ValueError (GuidedDecodingError
@@ -412,7 +429,13 @@ class Engine:
         once, last. With ``deltas`` each output holds only what is new since the request's
         previous one (``RequestState.delta``): a step's host cost then does not grow with
         output length (AsyncEngine accumulates them)."""
-        emit = RequestState.delta if deltas else RequestState.snapshot
+        self._stepping.clear()
+        try:
+            return self._step(RequestState.delta if deltas else RequestState.snapshot)
+        except Exception as e:   # noqa: BLE001 - one step's failure must not end the engine
+            raise self._step_failed(e) from e
+
+    def _step(self, emit: Callable[[RequestState], RequestOutput]) -> list[RequestOutput]:
         with self._timed() as timer:
             run = self._decode_run()
             if run is not None:
@@ -421,7 +444,7 @@ class Engine:
             for rep in self.replicas:
                 sched = rep.schedule(self._drafts(rep))
                 if not sched.is_empty:
-                    pending.append(self._dispatch(rep, sched))
+                    pending.append(self._dispatch(rep, self._held(sched)))
             if not pending:
                 timer.counted = False
                 return []
@@ -432,6 +455,29 @@ class Engine:
                 self._prompt_logprobs(fetched)
             return [emit(r) for rep, sched, batch, packed in fetched
                     for r in self._postprocess(rep, sched, batch.entries, packed) if r.visible]
+
+    def _step_failed(self, e: Exception) -> Exception:
+        """After a step raised: abort the requests it held (pages back, as a client's abort
+        would) and return the StepFailedError to raise, so the engine serves on; or an
+        EngineDeadError when the device state did not survive (its KV pages were donated
+        to a call that failed) or followers replay this leader's steps (they may have run it)."""
+        self.num_failed_steps += 1
+        if self.publisher is not None or not all(rep.runner.state_alive() for rep in self.replicas):
+            return EngineDeadError(f"a step failed and the device state cannot be trusted: {e!r}")
+        ids = sorted(self._stepping & set(self.output.requests)) or sorted(self.output.requests)
+        log.error("step failed; aborting %d request(s): %s", len(ids), ", ".join(ids[:8]), exc_info=e)
+        for rep in self.replicas:
+            rep.scheduler.drop_branches()
+        for rid in ids:
+            self.abort(rid)
+        return StepFailedError(ids, e)
+
+    def _held(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Note the requests of ``sched`` (a failure aborts them); run the test fault hook."""
+        self._stepping.update(e.seq.request_id for e in sched.scheduled)
+        if self.fault_hook is not None:
+            self.fault_hook(sched)
+        return sched
 
     def _prompt_logprobs(self, fetched: list[tuple]) -> None:
         """Scoring steps (prompt logprobs, engine/scoring.py): each scored position's
@@ -496,7 +542,7 @@ class Engine:
         rep = self.replicas[0]
         run = rep.scheduler.schedule_decode_run(self.config.num_scheduler_steps)
         rep.apply_page_ops()
-        return run
+        return run if run is None else (self._held(run[0]), run[1])
 
     def _multi_step(self, sched: SchedulerOutput, k: int, timer: "_StepTimer") -> list[RequestState]:
         """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each

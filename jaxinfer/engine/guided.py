@@ -33,6 +33,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from jaxinfer import untrusted_json
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024      # a schema / regex / grammar's text
 MAX_CHOICES = 256
@@ -40,6 +42,7 @@ MAX_CHOICE_CHARS = 1024
 MAX_LOGIT_BIAS = 300            # entries per request (the device width of the bias arrays)
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 16
+MAX_SCHEMA_DEPTH = 64           # arrays/objects nested in a JSON schema
 GRAMMAR_CACHE_SIZE = 128        # compiled grammars kept, least recently used dropped first
 # Caps on what one grammar may cost the host (llguidance's own defaults are for trusted input).
 PARSER_LIMITS = dict(max_grammar_size=100_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
@@ -71,15 +74,8 @@ class GuidedDecoding:
         if not isinstance(x, dict) or len(x) != 1:
             raise ValueError(f"guided: expected a dict with one of the keys {', '.join(KINDS)}, got {x!r:.80}")
         (kind, value), = x.items()
-        if kind == "json" and isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise GuidedDecodingError(f"guided.json: the schema is not valid JSON: {e}") from None
         if kind == "json":
-            if not isinstance(value, (dict, bool)):
-                raise GuidedDecodingError(f"guided.json: a schema must be an object, got {type(value).__name__}")
-            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+            value = _schema_text(value)
         elif kind == "json_object":
             value = None
         elif kind == "choice" and isinstance(value, (list, tuple)):
@@ -88,6 +84,22 @@ class GuidedDecoding:
 
     def cache_key(self) -> str:
         return json.dumps([self.kind, self.value])
+
+
+def _schema_text(value: Any) -> str:
+    """A schema (object or its JSON text, from a client) -> canonical text; refuses text the
+    parser would choke on and nesting no schema needs (either would reach llguidance or
+    json.dumps as a RecursionError)."""
+    try:
+        if isinstance(value, str):
+            value = untrusted_json.loads(value, MAX_SCHEMA_DEPTH)
+        elif isinstance(value, dict):
+            untrusted_json.check_depth(value, MAX_SCHEMA_DEPTH)
+    except untrusted_json.UntrustedJSONError as e:
+        raise GuidedDecodingError(f"guided.json: the schema {e}") from None
+    if not isinstance(value, (dict, bool)):
+        raise GuidedDecodingError(f"guided.json: a schema must be an object, got {type(value).__name__}")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _checked(kind: str, value: Any) -> GuidedDecoding:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Callable
 
@@ -41,6 +42,8 @@ from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_array_
 from jaxinfer.models import layer_loop as layer_loop_mod
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("jaxinfer")
 
 NUM_LOGPROBS = SamplingParams.MAX_LOGPROBS   # top-K capacity of every executable
 
@@ -563,6 +566,20 @@ class ModelRunner:
     def _on_sample_device(self, x: jax.Array) -> jax.Array:
         """This device's copy of a replicated array (no transfer)."""
         return next(s.data for s in x.addressable_shards if s.device == self.sample_device)
+
+    def state_alive(self) -> bool:
+        """Whether the device state the next step needs (KV pages, penalty state) is intact:
+        after a failed step, a call that was handed them (donated) and raised leaves them
+        deleted or holding the device's error."""
+        leaves = jax.tree.leaves((self.kv, self.pen))
+        try:
+            if any(x.is_deleted() for x in leaves):
+                return False
+            jax.block_until_ready(leaves)
+        except Exception:   # noqa: BLE001 - the device's own error: the state is gone
+            log.exception("device state check failed")
+            return False
+        return True
 
     @staticmethod
     def fetch(packed: jax.Array) -> np.ndarray:

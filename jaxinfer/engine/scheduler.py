@@ -295,6 +295,11 @@ class Scheduler:
         self._branches.discard(child.seq_id)
         child.status = _FINISHED
 
+    def drop_branches(self) -> None:
+        """End every ``branch`` still alive (a step that failed before its tree was resolved)."""
+        for child in [s for s in self.running + self.waiting if s.seq_id in self._branches]:
+            self.drop_branch(child)
+
     # ---- the step -----------------------------------------------------------------
     def schedule(self, drafts: dict[int, Seq[int]] | None = None) -> SchedulerOutput:
         """``drafts``: seq_id -> proposed tokens for decoding sequences (speculative

@@ -45,6 +45,8 @@ _ENGINE_METRICS = (
     ("num_free_pages", "kv_cache_free_pages", "KV cache pages free.", "gauge"),
     ("num_total_pages", "kv_cache_total_pages", "KV cache pages in total.", "gauge"),
     ("num_preemptions_total", "num_preemptions", "Cumulative number of preemptions.", "counter"),
+    ("num_failed_steps_total", "num_failed_steps", "Steps that raised; each failed only its own requests "
+     "(the engine served on).", "counter"),
     ("prompt_tokens_total", "prompt_tokens", "Prefill tokens processed.", "counter"),
     ("generation_tokens_total", "generation_tokens", "Generation tokens produced.", "counter"),
     ("prefix_cache_queries_total", "prefix_cache_queries",

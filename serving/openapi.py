@@ -15,6 +15,7 @@ _SAMPLING = dict(
                           "repetition_penalty", "max_tokens", "min_tokens")},
     seed={**_INT, "minimum": SEED_MIN, "maximum": SEED_MAX},
     stop=_STOP, stop_token_ids={"type": "array", "items": {**_INT, "minimum": 0}},
+    logit_bias={"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}},
     ignore_eos=_BOOL, include_stop_str_in_output=_BOOL, skip_special_tokens=_BOOL,
     stream=_BOOL, stream_options={"type": "object", "properties": {"include_usage": _BOOL}},
     model=_STR,
@@ -41,7 +42,7 @@ def openapi_schema() -> dict:
         **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
                                           {"type": "array", "items": {**_INT, "minimum": 0}}]},
         "echo": _BOOL, "logprobs": _B["logprobs"], "prompt_logprobs": _B["prompt_logprobs"],
-        "best_of": _B["best_of"], "use_beam_search": _BOOL, "length_penalty": _NUM, "early_stopping": _EARLY}}
+        "best_of": _B["best_of"], "use_beam_search": _BOOL, "length_penalty": _B["length_penalty"], "early_stopping": _EARLY}}
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": _STR}}
     message = {"type": "object", "required": ["role"], "properties": {
@@ -60,7 +61,7 @@ def openapi_schema() -> dict:
             repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
             seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
             return_full_text=_BOOL, top_n_tokens=_B["logprobs"], watermark=_BOOL, decoder_input_details=_BOOL,
-            num_beams=_B["beam_width"], length_penalty=_NUM, early_stopping=_EARLY)}}}
+            num_beams=_B["beam_width"], length_penalty=_B["length_penalty"], early_stopping=_EARLY)}}}
     get = {"get": {"responses": {"200": ok_json}}}
     return {
         "openapi": "3.1.0",

@@ -7,6 +7,7 @@ Run as a script it serves one the way ``jaxinfer serve`` does (``run_server``: g
 uvicorn, graceful SIGTERM), for tests that need a server process of their own:
 
     python tests/tiny_server.py --port 8123 [--shutdown-timeout 10] [--compile-cache DIR] [--step-delay S]
+                                [--lose-device-at-step N]
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def tiny_async_engine(**engine_kw: Any):
     return AsyncEngine(Engine(loaded=loaded, progress=False, **{**ENGINE_KW, **engine_kw}))
 
 
+def device_loss(engine: Any, at_step: int):
+    """An Engine.fault_hook: the ``at_step``-th scheduled step finds its KV pages gone."""
+    import jax
+
+    seen = [0]
+
+    def hook(sched: Any) -> None:
+        seen[0] += 1
+        if seen[0] == at_step:
+            for x in jax.tree.leaves(engine.runner.kv):
+                x.delete()
+            raise RuntimeError("simulated device loss")
+    return hook
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="Serve the tiny test model (tests only).")
     ap.add_argument("--port", type=int, required=True)
@@ -57,6 +73,9 @@ def main() -> int:
     ap.add_argument("--compile-cache", help="JAX compilation cache directory to share")
     ap.add_argument("--step-delay", type=float, default=0.0,
                     help="seconds added to every engine step, so requests stay in flight a while")
+    ap.add_argument("--lose-device-at-step", type=int, default=0,
+                    help="the Nth scheduled step deletes the KV pages and raises, as a device lost "
+                         "in the middle of a step would (the engine must die and the server exit 1)")
     args = ap.parse_args()
     if args.compile_cache:
         from jaxinfer.engine.resources import enable_compilation_cache
@@ -73,6 +92,8 @@ def main() -> int:
                 time.sleep(args.step_delay)
                 return step(*a, **kw)
             aeng.engine.step = slow_step
+        if args.lose_device_at_step:
+            aeng.engine.fault_hook = device_loss(aeng.engine, args.lose_device_at_step)
         return aeng
 
     return run_server(engine, port=args.port, shutdown_timeout=args.shutdown_timeout,

@@ -48,6 +48,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from jaxinfer.config import RequestOutput, SamplingParams
+from jaxinfer.engine.lora import allowed_dirs
 from jaxinfer.errors import EngineDeadError, QueueFullError
 from serving import guard
 from serving import lora_routes
@@ -117,6 +118,7 @@ class ServerState:
     on_ready: Callable[[], None] | None = None                  # engine available (loaded)
     on_load_error: Callable[[BaseException], None] | None = None
     tracing: Any = None          # serving.tracing.RequestTracing when traces are exported
+    lora_dirs: tuple[str, ...] = ()   # real paths /v1/load_lora_adapter may read (lora.allowed_dirs)
     internal_errors: int = 0
     load_error: str | None = None
     load_task: asyncio.Task | None = None
@@ -672,7 +674,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
               on_load_error: Callable[[BaseException], None] | None = None,
               tracing: Any = None, allowed_hosts: Iterable[str] | None = None,
               allowed_origins: Iterable[str] | None = None,
-              read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S) -> Starlette:
+              read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S,
+              lora_dirs: Iterable[str] = ()) -> Starlette:
     """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
 
     A factory is called once the server is listening, so /health can answer 503 while the
@@ -684,7 +687,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
     ``allowed_hosts``: the ``Host`` names served ("*": any; None: no check; the server passes
     the loopback names for a loopback bind). ``allowed_origins``: web origins allowed by
     CORS (None: no CORS headers, so browsers keep other origins out). ``read_timeout_s``:
-    a request body must arrive in full within it (else 408).
+    a request body must arrive in full within it (else 408). ``lora_dirs``: the directories
+    /v1/load_lora_adapter may load adapters from (none: loading by path is refused).
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("build_app: pass exactly one of engine, engine_factory")
@@ -693,7 +697,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                      api_key=api_key or None, max_body_bytes=max_body_bytes, max_n=max_n,
                      retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
-                     on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s)
+                     on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s,
+                     lora_dirs=allowed_dirs(lora_dirs))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -4,8 +4,13 @@
   POST /v1/unload_lora_adapter  {"lora_name": "sql"}
 
 Both need the API key like every other route. The adapter directory is read on the
-server's file system (its files are validated, never unpickled; engine/lora.py); reading
-runs in a worker thread, so requests in flight keep streaming. A loaded adapter is served
+server's file system (its files are validated, never unpickled; engine/lora.py), and only
+under the directories the operator allowed (``--lora-dir``, ``build_app(lora_dirs=...)``):
+``lora_path`` is resolved (symlinks, ``..``; relative: to the first allowed directory) and
+every path outside them gets the same answer, so the route tells a client nothing about the
+rest of the file system. No allowed directories: loading by path is refused (adapters the
+operator names at start-up, ``--lora-modules``, load from anywhere). Reading runs in a worker
+thread, so requests in flight keep streaming. A loaded adapter is served
 under its name: OpenAI routes take it as ``model`` (``/v1/models`` lists it with the base
 model as ``parent``), TGI routes as ``parameters.adapter_id``. Unloading refuses new
 requests for the name at once; requests already running on it finish.
@@ -17,6 +22,7 @@ from typing import Any
 
 from starlette.responses import PlainTextResponse, Response
 
+from jaxinfer.engine.lora import confine_path
 from serving.errors import ProtocolError, bad
 from serving.fields import Fields, short
 
@@ -47,8 +53,8 @@ async def load_lora_adapter(st: Any, engine: Any, body: dict) -> Response:
     if name in st.model_names():
         raise bad("lora_name", f"{short(name)} is the base model's name")
     try:
-        await engine.load_lora(name, path)
-    except ValueError as e:           # lora.LoraError: bad files, limits, name taken, LoRA off
+        await engine.load_lora(name, confine_path(path, st.lora_dirs))
+    except ValueError as e:           # lora.LoraError: outside lora_dirs, bad files, limits, name, LoRA off
         msg = str(e)
         raise ProtocolError(msg, param="lora_name" if msg.startswith("lora_name") else "lora_path",
                               code="invalid_lora_adapter") from None

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import uvicorn
 
@@ -75,6 +75,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "(e.g. http://localhost:4318/v1/traces); default: no tracing")
     g.add_argument("--otlp-service-name", default="jaxinfer",
                    help="service.name of the exported traces (default jaxinfer)")
+    g.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="repeatable: POST /v1/load_lora_adapter may load adapters from directories "
+                        "under DIR (its lora_path resolved, symlinks and '..' included, must lie "
+                        "inside one; a relative lora_path is taken under the first DIR). Without it "
+                        "loading over HTTP is refused; --lora-modules adapters load from anywhere")
 
 
 def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
@@ -92,7 +97,7 @@ def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
                       max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                       access_log=not args.no_access_log, tracing=tracing,
                       allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                      read_timeout_s=args.read_timeout)
+                      read_timeout_s=args.read_timeout, lora_dirs=getattr(args, "lora_dir", ()))
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
@@ -121,10 +126,11 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
                max_n: int = DEFAULT_MAX_N, shutdown_timeout: float = 30.0, log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None, tracing: Any = None,
                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, lora_dirs: Iterable[str] = ()) -> int:
     """Serve until SIGTERM / SIGINT; return 0 after a graceful shutdown.
 
     ``allowed_hosts`` None: the loopback names when bound to loopback, else any Host.
+    ``lora_dirs``: where /v1/load_lora_adapter may load adapters from (build_app).
 
     ``engine`` is either ready (has ``generate``) or a zero-argument factory called after
     the server starts listening (then /health answers 503 until it returns a warm engine).
@@ -151,7 +157,7 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
                     max_body_bytes=max_body_bytes, max_n=max_n, on_ready=on_ready,
                     on_load_error=on_load_error, tracing=tracing,
                     allowed_hosts=allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host),
-                    allowed_origins=allowed_origins, read_timeout_s=read_timeout_s)
+                    allowed_origins=allowed_origins, read_timeout_s=read_timeout_s, lora_dirs=lora_dirs)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout,
                             http=guarded_h11_protocol(read_timeout_s))

@@ -13,6 +13,7 @@ request, and bad adapter directories are refused with the reason named.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -339,7 +340,7 @@ BAD = {
     "wrong target shape": (lambda p: _edit_tensors(p, lambda t: {
         k: (v[:, :-1] if k.endswith("q_proj.lora_A.weight") else v) for k, v in t.items()}),
         r"q_proj: lora_A \(8, 63\).*want A \(8, 64\)"),
-    "DoRA": (lambda p: _edit_config(p, use_dora=True), "option use_dora=True is not supported"),
+    "DoRA": (lambda p: _edit_config(p, use_dora=True), "option use_dora is set; it is not supported"),
     "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "option modules_to_save"),
     "not LoRA": (lambda p: _edit_config(p, peft_type="IA3"), "peft_type must be 'LORA'"),
     "unknown module": (lambda p: _edit_tensors(p, lambda t: {
@@ -458,61 +459,168 @@ def test_prefix_hash_differs_per_adapter():
 
 # ------------------------------------------------------------------ HTTP
 
-def test_serving_routes(engine, tiny, tmp_path):
-    """Adapters over HTTP: /v1/models lists them (parent: the base model); model=<adapter>
-    (OpenAI) and adapter_id (TGI) give the engine's own tokens for that adapter; load /
-    unload routes, with bad directories and unknown names refused in the API's error shape."""
+@contextlib.contextmanager
+def _served(engine, **app_kw):
+    """``engine`` behind a real server (``build_app(**app_kw)``) -> an httpx client on it."""
     import httpx
 
     from jaxinfer.engine.async_engine import AsyncEngine
     from mock_engine import serve_in_thread
     from serving.app import build_app
 
+    aeng = AsyncEngine(engine)
+    try:
+        with serve_in_thread(build_app(aeng, **app_kw)) as url, httpx.Client(base_url=url, timeout=120) as http:
+            yield http
+    finally:
+        asyncio.run(aeng.shutdown())
+
+
+def _complete(http, model: str, ids: list[int]):
+    return http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 8,
+                                              "temperature": 0, "ignore_eos": True})
+
+
+def _load(http, name: str, path: str):
+    return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
+def test_serving_routes(engine, tiny, tmp_path):
+    """Adapters over HTTP: /v1/models lists them (parent: the base model); model=<adapter>
+    (OpenAI) and adapter_id (TGI) give the engine's own tokens for that adapter; load /
+    unload routes, with bad directories and unknown names refused in the API's error shape."""
     d, _, _ = tiny
     ids = prompts(1, len(engine.tokenizer), lens=(19,))[0]     # ids the server's tokenizer knows
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = {n: engine.generate([ids], sp, lora=n)[0].outputs[0].text for n in ("a2", None)}
-    bad_dir = _copy(f"{d}/a2", str(tmp_path / "pickled"))
+    allowed = str(tmp_path)                                      # --lora-dir
+    bad_dir = _copy(f"{d}/a2", f"{allowed}/pickled")
     os.rename(os.path.join(bad_dir, LR.WEIGHTS_FILE), os.path.join(bad_dir, "adapter_model.bin"))
-    aeng = AsyncEngine(engine)
-    try:
-        with serve_in_thread(build_app(aeng)) as url, httpx.Client(base_url=url, timeout=120) as http:
-            models = http.get("/v1/models").json()["data"]
-            base = models[0]["id"]
-            assert [(m["id"], m["parent"]) for m in models] == [(base, None)] + [
-                (n, base) for n in engine.lora_names()]
+    good_dir = _copy(f"{d}/a2", f"{allowed}/a2")
+    with _served(engine, lora_dirs=[allowed]) as http:
+        models = http.get("/v1/models").json()["data"]
+        base = models[0]["id"]
+        assert [(m["id"], m["parent"]) for m in models] == [(base, None)] + [
+            (n, base) for n in engine.lora_names()]
 
-            def complete(model):
-                return http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 8,
-                                                          "temperature": 0, "ignore_eos": True})
+        def complete(model):
+            return _complete(http, model, ids)
 
-            r = complete("a2")
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want["a2"]
-            assert complete(base).json()["choices"][0]["text"] == want[None]
-            r = http.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": "nope"}})
-            assert r.status_code == 422 and "adapter_id" in r.json()["error"]
-            r = complete("nope")
-            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+        r = complete("a2")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want["a2"]
+        assert complete(base).json()["choices"][0]["text"] == want[None]
+        r = http.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": "nope"}})
+        assert r.status_code == 422 and "adapter_id" in r.json()["error"]
+        r = complete("nope")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
 
-            r = http.post("/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": bad_dir})
-            assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
-            r = http.post("/v1/load_lora_adapter", json={"lora_name": "p"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-            r = http.post("/v1/load_lora_adapter", json={"lora_name": "b2", "lora_path": f"{d}/a2"})
-            assert r.status_code == 200, r.text
-            assert "b2" in [m["id"] for m in http.get("/v1/models").json()["data"]]
-            assert complete("b2").json()["choices"][0]["text"] == want["a2"]
-            tgi = http.post("/generate", json={"inputs": engine.tokenizer.decode(ids), "parameters": {
-                "adapter_id": "b2", "max_new_tokens": 4}})
-            assert tgi.status_code == 200, tgi.text
-            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code == 200
-            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"})
-            assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
-            r = complete("b2")
-            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
-    finally:
-        asyncio.run(aeng.shutdown())
+        r = _load(http, "p", bad_dir)
+        assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "p"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        r = _load(http, "b2", good_dir)
+        assert r.status_code == 200, r.text
+        assert "b2" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert complete("b2").json()["choices"][0]["text"] == want["a2"]
+        tgi = http.post("/generate", json={"inputs": engine.tokenizer.decode(ids), "parameters": {
+            "adapter_id": "b2", "max_new_tokens": 4}})
+        assert tgi.status_code == 200, tgi.text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code == 200
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+        r = complete("b2")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_load_route_confined_to_lora_dirs(engine, tiny, tmp_path):
+    """Over HTTP an adapter loads only from under --lora-dir: every path outside it (missing,
+    a file, a directory, a real adapter, a symlink out of it, '..') gets the very same
+    answer, so the route is no file-system oracle; inside it, a relative name loads and
+    serves; with no --lora-dir at all, loading by path is refused."""
+    d, _, _ = tiny
+    ids = prompts(1, len(engine.tokenizer), lens=(19,))[0]
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    real_outside = _copy(f"{d}/a2", str(outside / "ad"))
+    os.symlink(real_outside, allowed / "link_out")
+    os.symlink("/etc", allowed / "etc_link")
+    _copy(f"{d}/a2", str(allowed / "good"))
+    refused = ["/etc/passwd", "/etc", "/nonexistent", real_outside, str(allowed / "link_out"),
+               f"{allowed}/../outside/ad", "../outside/ad", "etc_link/passwd", "/etc/passwd\0x"]
+    before = engine.lora_names()
+    with _served(engine, lora_dirs=[str(allowed)]) as http:
+        answers = {p: _load(http, "x", p) for p in refused}
+        assert {(r.status_code, r.text) for r in answers.values()} == {(400, answers["/etc"].text)}, {
+            p: r.text for p, r in answers.items()}
+        err = answers["/etc"].json()["error"]
+        assert err == {"message": LR.OUTSIDE_ALLOWED, "type": err["type"], "param": "lora_path",
+                       "code": "invalid_lora_adapter"}
+        assert engine.lora_names() == before
+        r = _load(http, "good", "good")                   # relative: under the first --lora-dir
+        assert r.status_code == 200, r.text
+        try:
+            got = _complete(http, "good", ids)
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == _complete(http, "a2", ids).json()["choices"][0]["text"]
+        finally:
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 200
+    with _served(engine) as http:                          # no --lora-dir: off
+        r = _load(http, "good", str(allowed / "good"))
+        assert r.status_code == 400 and "--lora-dir" in r.json()["error"]["message"], r.text
+    assert engine.lora_names() == before
+
+
+SECRET = "SECRET-peft-type-xyzzy"
+# adapter_config.json damage inside the allowed directory -> what the 400 says.
+BAD_CONFIG_FILES = {
+    "a directory": (lambda p: os.mkdir(p), "is not a regular file"),
+    "a symlink loop": (lambda p: os.symlink(p, p), "cannot be read"),
+    "invalid UTF-8": (lambda p: open(p, "wb").write(b'{"peft_type": "\xff\xfe"}'), "is not UTF-8 text"),
+    "not JSON": (lambda p: open(p, "w").write("peft_type = LORA"), "is not valid JSON"),
+    "nested past the recursion limit": (lambda p: open(p, "w").write("[" * 200_000), "is not valid JSON"),
+    "wrong peft_type": (lambda p: json.dump({"peft_type": SECRET, "r": 8, "lora_alpha": 16}, open(p, "w")),
+                        "peft_type must be 'LORA'"),
+}
+
+
+def test_load_route_bad_config_is_400(engine, tiny, tmp_path):
+    """Inside --lora-dir, an adapter_config.json that cannot be read or parsed is a 400 in
+    OpenAI's error shape naming the problem (never a 500, never the file's text), and the
+    engine keeps serving."""
+    d, _, _ = tiny
+    ids = prompts(1, len(engine.tokenizer), lens=(19,))[0]
+    for case, (damage, _) in BAD_CONFIG_FILES.items():
+        path = _copy(f"{d}/a1", str(tmp_path / case.replace(" ", "_")))
+        os.remove(os.path.join(path, LR.CONFIG_FILE))
+        damage(os.path.join(path, LR.CONFIG_FILE))
+    with _served(engine, lora_dirs=[str(tmp_path)]) as http:
+        for case, (_, message) in BAD_CONFIG_FILES.items():
+            r = _load(http, "x", case.replace(" ", "_"))
+            assert r.status_code == 400, (case, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["param"] == "lora_path", (case, err)
+            assert message in err["message"] and SECRET not in r.text, (case, err)
+        assert "x" not in engine.lora_names()
+        r = _complete(http, "a1", ids)
+        assert r.status_code == 200, r.text
+
+
+def test_lora_dirs_checked_and_passed_on(tmp_path, monkeypatch):
+    """--lora-dir is repeatable and reaches the app; a dir that is not one is refused at start."""
+    import serving.server
+    from serving.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--lora-dir", str(tmp_path), "--lora-dir", "/x"])
+    seen = {}
+    monkeypatch.setattr(serving.server, "run_server", lambda engine, **kw: seen.update(kw) or 0)
+    assert serving.server.serve_main(args, engine=object()) == 0
+    assert seen["lora_dirs"] == [str(tmp_path), "/x"]
+    assert LR.allowed_dirs([str(tmp_path)]) == (os.path.realpath(tmp_path),)
+    for bad in ("/nonexistent", os.path.realpath(__file__), ""):
+        with pytest.raises(ValueError, match="lora_dirs"):
+            LR.allowed_dirs([bad])
 
 
 # ------------------------------------------------------------------ tensor / data parallel

@@ -18,13 +18,15 @@ engine/lora_device.py. The scheduler never sees any of this; it sees each sequen
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +40,12 @@ MAX_RANK = EngineConfig.MAX_LORA_RANK     # the largest --max-lora-rank
 MAX_CONFIG_BYTES = 1 << 20   # adapter_config.json is a few KB
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 _PREFIX = "base_model.model."
+# One answer for every path outside the allowed directories (missing, a file, a directory,
+# a symlink out): a client learns nothing about the file system beyond them.
+OUTSIDE_ALLOWED = "lora_path: not an adapter directory under the allowed LoRA directories"
+NO_ALLOWED_DIRS = ("lora_path: loading adapters over HTTP is off; start the server with --lora-dir DIR "
+                   "to allow the adapter directories under DIR")
+_OPTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")     # a PEFT option's name, safe to repeat
 
 # adapter_config.json keys whose value does not change the adapter's inference math
 # (bookkeeping, training-time settings, initialisation methods). Any other key must hold
@@ -137,7 +145,10 @@ def read_adapter(path: str, cfg: Any, max_rank: int) -> AdapterWeights:
                             f"adapter as {WEIGHTS_FILE} (PEFT: save_pretrained(safe_serialization=True))")
         raise LoraError(f"{path}: {WEIGHTS_FILE} is missing")
     limit = max_adapter_bytes(cfg, max_rank)
-    size = os.path.getsize(weights_path)
+    try:
+        size = os.path.getsize(weights_path)
+    except OSError as e:                      # gone or unreadable since the check above
+        raise _unreadable(weights_path, e) from None
     if size > limit:
         raise LoraError(f"{weights_path}: {size} bytes is more than any adapter of rank <= {max_rank} "
                         f"for this model can be ({limit} bytes)")
@@ -147,35 +158,108 @@ def read_adapter(path: str, cfg: Any, max_rank: int) -> AdapterWeights:
     return AdapterWeights(path, r, _pair_tensors(tensors, lora_targets(cfg), r, scaling, weights_path))
 
 
-def _read_config(path: str, max_rank: int) -> dict[str, Any]:
-    from jaxinfer.loading.safetensors import read_json
+def allowed_dirs(dirs: Iterable[str]) -> tuple[str, ...]:
+    """The directories adapters may be loaded from over HTTP (``--lora-dir``) -> their real
+    paths (symlinks resolved once, at start-up); ValueError naming one that is not a directory."""
+    out = []
+    for d in dirs:
+        if not isinstance(d, str) or not d or not os.path.isdir(d):
+            raise ValueError(f"lora_dirs: {d!r:.200} is not a directory (--lora-dir)")
+        out.append(os.path.realpath(d))
+    return tuple(out)
 
+
+def confine_path(path: str, dirs: Sequence[str]) -> str:
+    """A client's ``lora_path`` -> its real path, if that lies in one of ``dirs`` (real paths:
+    ``allowed_dirs``); a relative path is taken relative to the first. Symlinks and ``..`` are
+    resolved before the check, so neither leads out. Anything else is a LoraError with one
+    message whatever is there (OUTSIDE_ALLOWED); no dirs at all: loading by path is off."""
+    if not dirs:
+        raise LoraError(NO_ALLOWED_DIRS)
+    try:
+        real = os.path.realpath(os.path.join(dirs[0], path))     # an absolute path replaces dirs[0]
+    except (OSError, ValueError, TypeError):                   # a NUL byte, not a string
+        raise LoraError(OUTSIDE_ALLOWED) from None
+    if not any(os.path.commonpath((real, d)) == d for d in dirs):
+        raise LoraError(OUTSIDE_ALLOWED)
+    return real
+
+
+def _read_config(path: str, max_rank: int) -> dict[str, Any]:
+    """adapter_config.json, validated. Its values are never repeated in an error (only their
+    JSON type, or a number): the message goes to an HTTP client, the file stays here."""
     conf_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(conf_path):
+    if not os.path.lexists(conf_path):
         raise LoraError(f"{path}: {CONFIG_FILE} is missing (a PEFT LoRA adapter directory holds "
                         f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    if os.path.getsize(conf_path) > MAX_CONFIG_BYTES:
-        raise LoraError(f"{conf_path}: larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        conf = read_json(conf_path, CONFIG_FILE)
-    except ValueError as e:
-        raise LoraError(str(e)) from None
+    conf = _parse_config(_read_config_bytes(conf_path), conf_path)
     if conf.get("peft_type") != "LORA":
-        raise LoraError(f"{conf_path}: peft_type must be 'LORA', got {conf.get('peft_type')!r:.40}")
+        raise LoraError(f"{conf_path}: peft_type must be 'LORA' (this is not a LoRA adapter), got "
+                        f"{_kind(conf.get('peft_type'))}")
     r = conf.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
         raise LoraError(f"{conf_path}: r (the rank) must be an integer in [1, {max_rank}] "
-                        f"(--max-lora-rank), got {r!r:.40}")
+                        f"(--max-lora-rank), got {_kind(r)}")
     alpha = conf.get("lora_alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise LoraError(f"{conf_path}: lora_alpha must be a number, got {alpha!r:.40}")
+        raise LoraError(f"{conf_path}: lora_alpha must be a number, got {_kind(alpha)}")
     if not isinstance(conf.get("use_rslora", False), bool):
         raise LoraError(f"{conf_path}: use_rslora must be true or false")
     for key, value in conf.items():
         if key not in _INERT_KEYS and value not in (None, False, {}, [], "none", 0):
-            raise LoraError(f"{conf_path}: option {key}={value!r:.60} is not supported "
+            what = f"option {key}" if _OPTION_RE.fullmatch(key) else "an option"
+            raise LoraError(f"{conf_path}: {what} is set; it is not supported "
                             "(plain LoRA only: no DoRA, biases, modules_to_save, rank/alpha patterns)")
     return conf
+
+
+def _read_config_bytes(conf_path: str) -> bytes:
+    """The file's bytes, at most MAX_CONFIG_BYTES. Opened without blocking and checked on the
+    open descriptor to be a regular file, so a FIFO or device in its place can neither hang
+    nor flood the reader; every OSError (permissions, a directory, I/O) is a LoraError."""
+    try:
+        fd = os.open(conf_path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise _unreadable(conf_path, e) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LoraError(f"{conf_path}: is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise _unreadable(conf_path, e) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise LoraError(f"{conf_path}: larger than {MAX_CONFIG_BYTES} bytes")
+    return data
+
+
+def _unreadable(path: str, e: OSError) -> LoraError:
+    """The OS's reason only ("Permission denied"), not the exception's text."""
+    return LoraError(f"{path}: cannot be read ({e.strerror or type(e).__name__})")
+
+
+def _parse_config(data: bytes, conf_path: str) -> dict[str, Any]:
+    """JSON object -> dict; the parser's own messages are not passed on (they quote the text)."""
+    try:
+        conf = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise LoraError(f"{conf_path}: is not UTF-8 text") from None
+    except (ValueError, RecursionError):       # bad JSON, nesting past the recursion limit, huge ints
+        raise LoraError(f"{conf_path}: is not valid JSON") from None
+    if not isinstance(conf, dict):
+        raise LoraError(f"{conf_path}: must hold a JSON object")
+    return conf
+
+
+def _kind(value: Any) -> str:
+    """A config value for an error message: a number as itself, anything else only by its JSON
+    type (a string could be any file's text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value!r:.40}"
+    names = {type(None): "null", bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), "a value of another type")
 
 
 def _read_tensors(weights_path: str) -> dict[str, np.ndarray]:

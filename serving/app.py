@@ -49,7 +49,7 @@ from starlette.staticfiles import StaticFiles
 
 from jaxinfer.config import RequestOutput, SamplingParams
 from jaxinfer.engine.lora import allowed_dirs
-from jaxinfer.errors import EngineDeadError, QueueFullError
+from jaxinfer.errors import EngineDeadError, QueueFullError, RequestFailedError
 from serving import guard
 from serving import lora_routes
 from serving.errors import ProtocolError, openai_error_body, tgi_error_body
@@ -448,6 +448,8 @@ def _stream_failure(st: ServerState, req: GenRequest, e: Exception) -> tuple[str
     if isinstance(e, EngineDeadError):
         log.error("engine died while streaming request %s: %s", req.request_id, e)
         return "the engine has stopped; this server cannot serve requests", "engine_dead"
+    if isinstance(e, RequestFailedError):
+        return str(e), "engine_error"
     st.internal_errors += 1
     log.exception("streaming request %s failed", req.request_id)
     return "internal error while streaming", "internal_error"
@@ -531,6 +533,8 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
             return error_response(ProtocolError(
                 "the engine has stopped; this server cannot serve requests", status=503,
                 code="engine_dead"), tgi)
+        except RequestFailedError as e:    # its step failed; the engine serves on (logged there)
+            return error_response(ProtocolError(str(e), status=500, code="engine_error"), tgi)
         except ClientGone:
             return Response(status_code=499)    # nobody is listening; nginx's "client closed"
         except Exception:

@@ -10,7 +10,9 @@ The CLI wires ``jaxinfer serve`` as::
     return serve_main(args, engine)       # or: serve a ready AsyncEngine / a zero-argument factory
 
 While the engine loads and compiles, the server already listens and /health answers 503;
-it answers 200 once the engine is warm. If loading fails the server exits with status 1.
+it answers 200 once the engine is warm. If loading fails the server exits with status 1, and
+so it does if the engine loop dies later (AsyncEngine.on_death): /health answers "dead"
+until the process is gone.
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests
 finish for up to ``--shutdown-timeout`` seconds, cancels what is left (which aborts those
@@ -146,6 +148,16 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
     def on_ready() -> None:
         names = ", ".join(app.state.jx.model_names())
         print(f"jaxinfer: serving {names} at {url} (OpenAI API under {url}/v1)", file=sys.stderr, flush=True)
+        watch = getattr(app.state.jx.engine, "on_death", None)
+        if watch is not None:
+            watch(on_engine_dead)
+
+    def on_engine_dead(e: BaseException) -> None:
+        # A dead engine is not a live server: exit non-zero (after uvicorn's graceful stop,
+        # whose in-flight requests the engine has already failed) so a supervisor restarts it.
+        failed.append(e)
+        print(f"jaxinfer: the engine has stopped ({type(e).__name__}: {e}); exiting", file=sys.stderr, flush=True)
+        server.should_exit = True
 
     def on_load_error(e: BaseException) -> None:
         failed.append(e)

@@ -41,6 +41,11 @@ BASE = {CMPL: {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3},
         CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
         TGI: {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}}
 BASE["/generate_stream"] = BASE[TGI]
+# The LoRA routes take no number; their fields get the extremes all the same (the parser must
+# refuse a number where a name or path belongs: 400, not a crash).
+LORA = {"/v1/load_lora_adapter": ("lora_name", "lora_path"), "/v1/unload_lora_adapter": ("lora_name",)}
+for _path, _keys in LORA.items():
+    BASE[_path] = {k: "x" for k in _keys}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +172,7 @@ def sweep_cases() -> list[tuple[str, tuple, str]]:
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         for field in numeric_fields(schema):
             cases += [(path, field, name) for name in EXTREMES]
+    cases += [(path, (key,), name) for path, keys in LORA.items() for key in keys for name in EXTREMES]
     return cases
 
 

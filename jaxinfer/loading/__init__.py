@@ -24,10 +24,13 @@ def _build(hf_config: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: 
 def load_hf_dir(path: str, dtype: Any, mesh: Any = None, finish: Any = None) -> LoadedModel:
     from jaxinfer.loading.safetensors import load_safetensors, read_json
     from jaxinfer.loading.tokenizer import Tokenizer
+    from jaxinfer.models.prequantized import refuse_quantized_tensors
 
     hf_config = read_json(os.path.join(path, "config.json"), "config.json")
-    config_from_hf(hf_config)   # validate before reading weights
-    cfg, model = _build(hf_config, load_safetensors(path), dtype, mesh, finish)
+    config_from_hf(hf_config)   # validate before reading weights (a declared quantization too)
+    tensors = load_safetensors(path)        # the headers' names: no tensor is read yet
+    refuse_quantized_tensors(tensors)       # quantized tensors that config.json does not declare
+    cfg, model = _build(hf_config, tensors, dtype, mesh, finish)
     gen_path = os.path.join(path, "generation_config.json")
     gen = read_json(gen_path, "generation_config.json") if os.path.exists(gen_path) else {}
     return LoadedModel(cfg, model, Tokenizer.from_hf_dir(path), gen, path, hf_config)

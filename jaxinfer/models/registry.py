@@ -18,6 +18,7 @@ from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.mixtral import MixtralForCausalLM
 from jaxinfer.models.moe_config import MOE_FAMILY
 from jaxinfer.models.phi3 import Phi3ForCausalLM
+from jaxinfer.models.prequantized import refuse_quantization_config
 
 _REGISTRY: dict[str, type] = {name: LlamaForCausalLM for name in LLAMA_FAMILY}
 _REGISTRY.update({name: GptForCausalLM for name in GPT_FAMILY})
@@ -45,7 +46,8 @@ def model_class(architecture: str) -> Any:
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     """An HF ``config.json`` dict -> ModelConfig, parsed by the family its
     ``architectures`` names; errors name the missing or bad field (an unknown architecture:
-    the list of supported ones)."""
+    the list of supported ones; a pre-quantized checkpoint: its format, models/prequantized.py)."""
+    refuse_quantization_config(d)
     archs = d.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ValueError("architectures: config.json must list the model class, e.g. [\"LlamaForCausalLM\"]")

@@ -17,6 +17,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -172,11 +174,67 @@ def test_bad_constraint_values():
 
 
 def test_grammar_cache_compiles_each_text_once(eng):
-    g = eng._grammars
+    g = eng.grammars
     before = g.compiled
     for _ in range(3):
         eng.generate("x", SamplingParams(temperature=0, max_tokens=3, guided={"regex": "[0-9]{3}"}))
     assert g.compiled == before + 1
+
+
+def test_add_request_waits_at_most_the_compile_time_budget(eng, monkeypatch):
+    """In process, add_request compiles in the compiler's threads and gives up after its
+    time budget (a ValueError naming it, nothing queued); the compile goes on and lands in
+    the cache, so the same grammar is then accepted at once."""
+    release, threads = threading.Event(), []
+    build = G.GrammarCompiler._build
+
+    def held(compiler, spec):
+        threads.append(threading.current_thread().name)
+        release.wait(30)
+        return build(compiler, spec)
+    monkeypatch.setattr(G.GrammarCompiler, "_build", held)
+    monkeypatch.setattr(eng.grammars, "time_budget", 0.3)
+    params = SamplingParams(temperature=0, max_tokens=3, guided={"regex": "[0-9]{2}x"})
+    before, t = eng.grammars.compiled, time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=re.escape("did not compile within the time budget of 0.3 s")):
+            eng.add_request("x", params)
+        assert time.monotonic() - t < 10 and not eng.has_unfinished()
+    finally:
+        release.set()
+    assert threads[0].startswith("jaxinfer-grammar")         # not the caller's thread
+    deadline = time.monotonic() + 30
+    while eng.grammars.compiled == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = eng.generate("x", params)[0].outputs[0]
+    assert re.fullmatch("[0-9]{2}x", out.text) and len(threads) == 1
+
+
+def test_parser_limits_bound_each_compile_and_each_step(eng, tok, monkeypatch):
+    """llguidance's limits are applied: a grammar over the size limit is refused with a
+    message naming it; a mask over the step's lexer fuel allows only EOS and the sequence
+    stops with the library's reason, instead of the step running on."""
+    V = eng.model_config.vocab_size
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,9}x"} for i in range(30)}}
+    spec = G.GuidedDecoding.parse({"json": schema})
+    monkeypatch.setitem(G.PARSER_LIMITS, "max_grammar_size", 100)
+    with pytest.raises(G.GuidedDecodingError, match=re.escape("too big (limit for this grammar: 100)")):
+        G.GrammarCompiler(tok, V, eng.eos_token_ids).compile(spec)
+    monkeypatch.setitem(G.PARSER_LIMITS, "max_grammar_size", 100_000)
+    monkeypatch.setitem(G.PARSER_LIMITS, "step_lexer_fuel", 100)
+    c = G.SequenceConstraints(G.GrammarCompiler(tok, V, eng.eos_token_ids).matcher(spec), 0, [], [], [])
+    eos = eng.eos_token_ids[0]
+    for t in tok.encode('{"p0": "abcx", "p1": "abcx", "p2": "', add_special_tokens=False):
+        row = np.full(G.mask_width(V), -1, np.int32)
+        c.fill(row, [])
+        if _zeros(row, V) == set(range(V)) - {eos}:
+            break
+        assert t not in _zeros(row, V)
+        c.advance(t)
+    else:
+        pytest.fail("the step fuel limit never took effect")
+    c.advance(eos)
+    assert c.stopped and "too many expressions" in c.error
 
 
 def test_mask_rows_host_side():

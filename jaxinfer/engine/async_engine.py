@@ -7,7 +7,8 @@ between steps. The loop sleeps on a condition variable while there is nothing to
 wakes on a command: no polling.
 
 Tokenization and chat templating run in a worker thread, off the caller's event loop and
-off the engine thread. A bad prompt raises ValueError from ``generate`` before anything is
+off the engine thread; a request's grammar compiles in the engine's grammar threads
+(guided.GrammarCompiler, within its time budget) before the request is posted. A bad prompt raises ValueError from ``generate`` before anything is
 yielded; errors found when the engine adds the request (too long, queue full) arrive the
 same way, through the request's queue.
 
@@ -67,7 +68,7 @@ class AsyncEngine:
         self.max_num_seqs = engine.config.max_num_seqs
         self._lock = threading.Lock()            # guards the inbox only; never held across a step
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple] = []            # ("add", id, ids, params, priority, lora) | ("abort", id)
+        self._inbox: list[tuple] = []            # ("add", id, ids, params, priority, lora, grammar) | ("abort", id)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.is_dead = False
@@ -133,11 +134,12 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort(cmd[1])
             return
-        _, request_id, ids, params, priority, lora = cmd
+        _, request_id, ids, params, priority, lora, grammar = cmd
         if request_id not in self._queues:       # the caller left before the loop got to it
             return
         try:
-            self.engine.add_request(ids, params, request_id, priority, **({"lora": lora} if lora else {}))
+            self.engine.add_request(ids, params, request_id, priority, **({"lora": lora} if lora else {}),
+                                    grammar=grammar)
         except Exception as e:   # noqa: BLE001 - bad input, queue full: the caller's error
             self._deliver(request_id, e)
 
@@ -164,6 +166,14 @@ class AsyncEngine:
             return self.engine.encode_prompt(prompt)      # token ids: only validated
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.encode_prompt, prompt)
 
+    async def _compile(self, params: SamplingParams) -> Any:
+        """The request's grammar, compiled in the engine's grammar threads before the request
+        is posted, so the engine thread never waits for a compile (a 64-tool grammar, or the
+        first one, which builds llguidance's tokenizer); over a budget: GuidedDecodingError."""
+        if params.guided is None:
+            return None
+        return await self.engine.grammars.compile_async(params.guided)
+
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
                        priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has ``finished=True``.
@@ -181,7 +191,8 @@ class AsyncEngine:
         acc = _Cumulative()
         try:
             text, ids = await self._encode(prompt)
-            self._post(("add", request_id, ids, params, priority, lora))
+            grammar = await self._compile(params)
+            self._post(("add", request_id, ids, params, priority, lora, grammar))
             posted = True
             while True:
                 item = await q.get()

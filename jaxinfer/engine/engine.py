@@ -137,7 +137,8 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.num_steps = 0
-        self._grammars: Any = None           # guided.GrammarCompiler, built on first use
+        from jaxinfer.engine.guided import GrammarCompiler     # its threads start on the first compile
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._stepping: set[str] = set()     # request ids of the step in flight (_step_failed)
         self.num_failed_steps = 0
         # tests: called with each scheduled step before its batch is built; what it raises
@@ -322,9 +323,13 @@ class Engine:
         raise ValueError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, lora: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, lora: str | None = None,
+                    grammar: Any = None) -> str:
         """Queue a request; raises ValueError (bad input, too long, unknown adapter) or
-        QueueFullError. ``lora``: the name of a loaded LoRA adapter to run it with."""
+        QueueFullError. ``lora``: the name of a loaded LoRA adapter to run it with.
+        ``grammar``: ``params.guided`` already compiled (``self.grammars.compile``, as
+        AsyncEngine does off the engine thread); without it this call compiles it, waiting
+        at most the compile budget (GrammarCompiler.time_budget)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -341,7 +346,7 @@ class Engine:
         if params.prompt_logprobs is not None and not self.ladders.score:
             raise ValueError("prompt_logprobs: this engine has no scoring buckets "
                              "(EngineConfig.enable_prompt_logprobs, `--enable-prompt-logprobs`)")
-        constraints = self._constraints(params) if params.constrained else None
+        constraints = self._constraints(params, grammar) if params.constrained else None
         if lora is not None and params.beam_width > 1:
             raise ValueError("lora: beam search with a LoRA adapter is not supported yet")
         # one adapter reference per sequence, released as each finishes (_finish, abort)
@@ -376,21 +381,24 @@ class Engine:
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range (vocabulary of {V})")
 
-    def _constraints(self, p: SamplingParams) -> list[Any]:
+    def _constraints(self, p: SamplingParams, grammar: Any = None) -> list[Any]:
         """One guided.SequenceConstraints per sample; raises ValueError (GuidedDecodingError
-        for a grammar the library refuses, with its message). A grammar compiles once per
-        text (cached); llguidance builds it lazily, so this costs about a millisecond here."""
+        for a grammar the library refuses or one over a budget, with its message). A grammar
+        compiles once per text (cached), in the compiler's threads; ``grammar``: compiled
+        already (add_request)."""
         from jaxinfer.engine import guided as G
 
         V = self.model_config.vocab_size
         bad = [i for i, _ in p.logit_bias if i >= V]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is out of range (vocabulary of {V})")
-        if p.guided is not None and self._grammars is None:
-            self._grammars = G.GrammarCompiler(self.tokenizer, V, self.eos_token_ids)
         words = G.bad_word_sequences(self.tokenizer, p.bad_words)
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-        first = self._grammars.matcher(p.guided) if p.guided is not None else None
+        if grammar is None and p.guided is not None:
+            grammar = self.grammars.compile(p.guided)
+        if grammar is not None and (p.guided is None or grammar.key != p.guided.cache_key()):
+            raise ValueError("grammar: compiled for another grammar than sampling_params.guided")
+        first = grammar.matcher() if grammar is not None else None
         return [G.SequenceConstraints(first if i == 0 or first is None else first.deep_copy(),
                                       p.min_tokens, stop_ids, words, p.logit_bias) for i in range(p.best_of or p.n)]
 

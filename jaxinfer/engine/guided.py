@@ -25,6 +25,8 @@ Host only, no jax import (like the scheduler): testable in milliseconds.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
@@ -44,9 +46,15 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 16
 MAX_SCHEMA_DEPTH = 64           # arrays/objects nested in a JSON schema
 GRAMMAR_CACHE_SIZE = 128        # compiled grammars kept, least recently used dropped first
-# Caps on what one grammar may cost the host (llguidance's own defaults are for trusted input).
-PARSER_LIMITS = dict(max_grammar_size=100_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
-                     initial_lexer_fuel=1_000_000, verbose_errors=False)
+GRAMMAR_COMPILE_SECONDS = 10.0  # a compile's time budget (queueing included); past it: refused
+GRAMMAR_COMPILE_WORKERS = 2     # compiles at once, in threads off the engine's path
+# Caps on what one grammar may cost the host (llguidance's own defaults are for trusted input):
+# the size of the grammar a compile builds (symbols, lexer states, fuel for the lexer's first
+# build), and the work of one mask in a step (lexer fuel ~14k/ms, Earley items ~20k/ms: under
+# ~20 ms per constrained row). Past a step limit the matcher errs, allows only EOS,
+# and the sequence stops (logged): one grammar cannot stall a step.
+PARSER_LIMITS = dict(max_grammar_size=100_000, max_lexer_states=50_000, initial_lexer_fuel=1_000_000,
+                     step_lexer_fuel=200_000, step_max_items=50_000, verbose_errors=False)
 # Compact JSON (", " and ": " separators, no free whitespace): small models fed free
 # whitespace tend to emit it forever; every output is still valid JSON.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -141,50 +149,124 @@ def grammar_text(spec: GuidedDecoding) -> str:
         raise GuidedDecodingError(f"guided.{spec.kind}: {e}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A grammar compiled for one tokenizer (GrammarCompiler.compile), keyed by its spec's
+    ``cache_key``. Never consumes a token itself: ``matcher()`` gives each sequence a deep
+    copy, which shares the lexer llguidance built lazily."""
+
+    key: str
+    template: Any
+
+    def matcher(self) -> Any:
+        return self.template.deep_copy()
+
+
 class GrammarCompiler:
-    """Validated grammars for one tokenizer, cached by their text (LRU of
-    GRAMMAR_CACHE_SIZE). ``matcher(spec)`` returns a fresh matcher per sequence: a deep copy
-    of the cached one, so the lexer the library built lazily is shared."""
+    """Grammars compiled for one tokenizer, off the caller's thread and within budgets.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
-        import llguidance
-        import llguidance.hf
+    A compile runs in a pool of GRAMMAR_COMPILE_WORKERS threads (llguidance drops the GIL
+    while it builds a grammar and computes a mask, so a compile in progress does not slow
+    the engine thread's Python); the caller waits at most ``time_budget`` seconds (queueing
+    included), then gets a GuidedDecodingError naming the budget. Size is bounded by
+    llguidance's own limits (PARSER_LIMITS: symbols, lexer states, lexer fuel), whose errors
+    name the limit. Results are cached by text (LRU of GRAMMAR_CACHE_SIZE); a compile that
+    outlives its caller's budget still lands in the cache."""
 
-        # ~0.6 s on the default vocabulary: built once per engine.
-        self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
-                                                  eos_token=list(eos_token_ids) or None)
-        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 time_budget: float = GRAMMAR_COMPILE_SECONDS):
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()     # add_request may run off the engine thread
+        self.eos_token_ids = list(eos_token_ids)
+        self.time_budget = time_budget
         self.compiled = 0
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()          # the cache: callers and pool threads share it
+        self._library_lock = threading.Lock()
+        self._library: tuple[Any, Any] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_COMPILE_WORKERS,
+                                                           thread_name_prefix="jaxinfer-grammar")
+
+    def submit(self, spec: GuidedDecoding) -> concurrent.futures.Future:
+        """The compiled grammar as a future: already done for a cached text, else compiling
+        in the pool. Raises nothing itself; the future holds any GuidedDecodingError."""
+        hit = self._cached(spec.cache_key())
+        if hit is not None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(hit)
+            return done
+        return self._pool.submit(self._compile_cached, spec)
+
+    def compile(self, spec: GuidedDecoding) -> CompiledGrammar:
+        """Blocks up to ``time_budget`` (the compile itself runs in the pool)."""
+        future = self.submit(spec)
+        try:
+            return future.result(timeout=self.time_budget)
+        except concurrent.futures.TimeoutError:
+            future.cancel()                    # if it is still queued: nobody waits for it
+            raise self._over_time(spec) from None
+
+    async def compile_async(self, spec: GuidedDecoding) -> CompiledGrammar:
+        """``compile`` for an event loop: awaits the pool without holding a thread."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.submit(spec)), self.time_budget)
+        except asyncio.TimeoutError:
+            raise self._over_time(spec) from None
 
     def matcher(self, spec: GuidedDecoding) -> Any:
-        from llguidance import LLMatcher
+        """A fresh matcher for one sequence (``compile``, then a copy of its template)."""
+        return self.compile(spec).matcher()
 
-        key = spec.cache_key()
+    def _over_time(self, spec: GuidedDecoding) -> GuidedDecodingError:
+        return GuidedDecodingError(f"guided.{spec.kind}: the grammar did not compile within the time budget "
+                                   f"of {self.time_budget:g} s")
+
+    def _cached(self, key: str) -> CompiledGrammar | None:
         with self._lock:
-            m = self._cache.get(key)
-            if m is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-                return m.deep_copy()
-        g = grammar_text(spec)
-        err = LLMatcher.validate_grammar(g, self.lltok, limits=self.limits)
-        if err:
-            raise GuidedDecodingError(f"guided.{spec.kind}: {err}")
-        m = LLMatcher(self.lltok, g, log_level=0, limits=self.limits)
-        # The first mask is when llguidance builds the lexer: do it here, when the request
-        # is added, rather than inside the first step that samples for it.
-        scratch = np.zeros(mask_width(self.vocab_size), np.int32)
-        m.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-        if m.is_error():
-            raise GuidedDecodingError(f"guided.{spec.kind}: {m.get_error()}")
+            return hit
+
+    def _compile_cached(self, spec: GuidedDecoding) -> CompiledGrammar:
+        key = spec.cache_key()
+        hit = self._cached(key)               # queued behind a compile of the same text
+        if hit is not None:
+            return hit
+        out = CompiledGrammar(key, self._build(spec))
         with self._lock:
             self.compiled += 1
-            self._cache[key] = m
+            self._cache[key] = out
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return m.deep_copy()
+        return out
+
+    def _build(self, spec: GuidedDecoding) -> Any:
+        """spec -> a matcher template that has computed its first mask (when llguidance
+        builds the lexer: here, not in the first step that samples for the request)."""
+        from llguidance import LLMatcher
+
+        lltok, limits = self._tokenizer_and_limits()
+        m = LLMatcher(lltok, grammar_text(spec), log_level=0, limits=limits)   # errors: m.is_error()
+        if not m.is_error():
+            scratch = np.zeros(mask_width(self.vocab_size), np.int32)
+            m.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        if m.is_error():
+            raise GuidedDecodingError(f"guided.{spec.kind}: {m.get_error()}")
+        return m
+
+    def _tokenizer_and_limits(self) -> tuple[Any, Any]:
+        """llguidance's view of the tokenizer, built on the first compile (in the pool: it
+        takes ~0.6-2 s on the default vocabulary and holds the GIL meanwhile)."""
+        with self._library_lock:
+            if self._library is None:
+                import llguidance
+                import llguidance.hf
+
+                lltok = llguidance.hf.from_tokenizer(self.tokenizer.hf, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids or None)
+                self._library = (lltok, llguidance.LLParserLimits(**PARSER_LIMITS))
+            return self._library
 
 
 # ------------------------------------------------------------------ per-sequence state
@@ -212,6 +294,10 @@ class SequenceConstraints:
         """Write this step's allowed-token bits into ``row`` (i32[W], starts all ones)."""
         if self.matcher is not None and not self.stopped:
             self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if self.error is None and self.matcher.is_error():
+                # over a step limit (PARSER_LIMITS): the row allows only EOS, so the
+                # sequence ends on its next token; keep the reason for the log
+                self.error = self.matcher.get_error()
         grammar_row = row.copy() if self.matcher is not None else None
         if len(output_ids) < self.min_tokens:
             _clear(row, self.min_tokens_ids)

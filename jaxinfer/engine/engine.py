@@ -683,6 +683,7 @@ class Engine:
             "num_free_pages": free,
             "num_total_pages": total,
             "num_preemptions_total": sum(r.scheduler.num_preemptions_total for r in reps),
+            "num_failed_steps_total": self.num_failed_steps,
             "prompt_tokens_total": self.output.prompt_tokens_total,
             "generation_tokens_total": self.output.generation_tokens_total,
             "num_steps": self.num_steps,

@@ -190,7 +190,7 @@ def test_serve_reports_the_refusal(ckpts):
     # own: a server whose load succeeds would serve on, so the timeout bounds it)
     argv = ["serve", "--model", ckpts["W8A8"], "--port", str(free_port())]
     code = f"from serving.cli import main; raise SystemExit(main({argv!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert ("the engine failed to load: ValueError: quantization_config.quant_method: 'compressed-tensors' "
             "checkpoint, int-quantized W8A8") in proc.stderr

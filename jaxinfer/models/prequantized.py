@@ -74,9 +74,9 @@ def refuse_quantization_config(hf_config: Mapping[str, Any]) -> None:
         block = _flattened(block)
         method = block.get("quant_method")
         scheme = describe_scheme(block)
-        named = repr(_text(method)) if method is not None else "an unnamed"
-        raise ValueError(f"{key}.quant_method: {named} checkpoint{f', {scheme}' if scheme else ''}: "
-                         f"{NOT_SUPPORTED}")
+        what = (f"{_text(method)!r} checkpoint" if method is not None
+                else f"missing, but {key} declares a quantized checkpoint")
+        raise ValueError(f"{key}.quant_method: {what}{f', {scheme}' if scheme else ''}: {NOT_SUPPORTED}")
 
 
 def refuse_quantized_tensors(names: Iterable[str]) -> None:

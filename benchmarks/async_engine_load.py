@@ -50,7 +50,7 @@ def build_engine(max_tokens: int) -> Any:
     from flax import nnx
 
     from jaxinfer.engine_args import DEFAULT_CACHE
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import LoadedModel
     from jaxinfer.loading.default import default_model_path
@@ -104,7 +104,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def run_load(engine: Any, cls: type, max_tokens: int, label: str) -> dict[str, Any]:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     aeng = cls(engine)
     add_s: list[float] = []

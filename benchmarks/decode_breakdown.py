@@ -38,7 +38,7 @@ def run_variant(variant: str, quantization: str | None, batch_invariant: bool, i
     import pallas_kernels.attention.xla as X
     import pallas_kernels.attention.cpu as CA
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.loading import load_model
 
     if variant != "full":

@@ -67,7 +67,7 @@ def default_model(loads: int) -> None:
 def tiny_layers(loads: int) -> None:
     from flax import nnx
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import LoadedModel, load_model
     from jaxinfer.models.llama import LlamaForCausalLM

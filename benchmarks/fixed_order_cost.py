@@ -100,7 +100,7 @@ def ops() -> list[tuple[str, float, float]]:
 
 def decode_steps(batches: list[int], tokens: int) -> list[tuple[str, float, float]]:
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.loading import load_model
 
     loaded = load_model(None, "float32")

@@ -122,7 +122,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts-only", action="store_true", help="only the compile times and the parts")
     args = p.parse_args()
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
 
     batches = [int(b) for b in args.batches.split(",")]

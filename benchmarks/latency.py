@@ -61,7 +61,7 @@ def engine_config(args) -> dict:
 
 def engine_request(engine, ids, n_new: int) -> dict:
     """One request alone, driven step by step; per-token arrival times."""
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     p = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
     steps0, host0, dev0 = engine.num_steps, engine.host_seconds, engine.device_seconds

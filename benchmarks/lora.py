@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--adapters", default="1,4,16", help="adapters in the batch, comma-separated")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default: the workload's)")
     args = p.parse_args()
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
 

@@ -97,8 +97,8 @@ def main() -> None:
 
     res["imported"] = rollup()
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
-    from jaxinfer.engine.memory import trim_heap
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.host_memory import trim_heap
     from jaxinfer.engine.warmup import use_default_mode
 
     use_default_mode("full")

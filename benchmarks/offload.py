@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--resident-layers", type=int, default=15, help="layers kept in device memory")
     p.add_argument("--new-tokens", type=int, default=64)
     args = p.parse_args()
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine import offload
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model

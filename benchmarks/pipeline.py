@@ -29,7 +29,7 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
 

@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
 
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     w = C.load_workload()
     ids = w["prefill"]["ids"]

@@ -70,7 +70,7 @@ def engine_kw(args, **over) -> dict:
 
 def ttft(engine, ids: list[int], n_new: int = 1) -> tuple[float, list[int], dict]:
     """One request alone: seconds to its first token, its tokens, stats deltas."""
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     before = engine.stats()
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def reply(engine, ids: list[int], n: int) -> str:
 
 
 def reply_ids(engine, ids: list[int], n: int) -> tuple[str, list[int]]:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
     return out.text, list(out.token_ids)
@@ -174,7 +174,7 @@ def part_hostcost(workload, repeats: int = 5) -> dict:
     """The cache's own cost is host bookkeeping (hashing full pages, lookups, LRU): the
     throughput workload's scheduling alone (scheduler + block manager, no model; every
     sampled token a fixed id), caching off vs on, best of ``repeats``: seconds per step."""
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.block_manager import BlockManager
     from jaxinfer.engine.scheduler import Scheduler
     from jaxinfer.engine.sequence import make_sequences
@@ -202,7 +202,7 @@ def part_hostcost(workload, repeats: int = 5) -> dict:
 
 
 async def _serve(engine, tok, convs, args) -> dict:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.async_engine import AsyncEngine
 
     aeng = AsyncEngine(engine)

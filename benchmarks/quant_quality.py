@@ -37,7 +37,7 @@ def prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
 
 
 def greedy(loaded, quantization, ps, tokens, kv_cache_dtype="model") -> tuple[list[list[int]], object, float]:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
 
     eng = Engine(loaded=loaded, progress=False, warmup="full", quantization=quantization, kv_cache_dtype=kv_cache_dtype,

@@ -61,7 +61,7 @@ def main() -> None:
 
     import jax  # noqa: F401  (import time stays out of the load figures)
 
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.loading import checkpoint, load_model
     from jaxinfer.reference import ReferenceGenerator
 

@@ -24,7 +24,7 @@ def micro() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine import runner as R
     from jaxinfer.engine import sampler as S
     from jaxinfer.engine.guided import empty_mask
@@ -55,7 +55,7 @@ def micro() -> None:
 
 
 def engine() -> None:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
 

@@ -109,7 +109,7 @@ PENALTIES: dict = {}   # --repetition-penalty etc.: every batch-1 request's pena
 
 
 def decode_rate(eng, ids: list[int], n_new: int) -> tuple[float, list[int]]:
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, guided=GUIDED,
                                                 **PENALTIES))[0]
@@ -202,7 +202,7 @@ def throughput(loaded, quant: str | None, prompts_ids: list[list[int]], n_new: i
                methods: list[str], draft_model: str | None) -> dict:
     """The 32-prompt set at max_num_seqs=32, plain and each method, rounds in alternating
     order (load drift hits all alike); speculation should turn itself off."""
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     ps = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
     engines = {"plain": build(loaded, quant, {}, 32)}

@@ -247,8 +247,8 @@ def _engine_child() -> None:
     t0 = time.perf_counter() - (time.time() - _process_start_time())
     job = json.loads(sys.stdin.read())
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
-    from jaxinfer.engine.memory import rss_bytes
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.host_memory import rss_bytes
     from jaxinfer.engine.warmup import use_default_mode
 
     use_default_mode("background")      # Engine()'s own default (common.py sets "full")

@@ -119,7 +119,7 @@ def step_breakdown(steps_log) -> dict:
 
 def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling: float) -> dict:
     from jaxinfer import Engine
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = Engine(loaded=loaded, progress=False, **variant["config"])

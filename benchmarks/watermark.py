@@ -38,7 +38,7 @@ def main() -> int:
 
     import numpy as np
 
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
     from jaxinfer.engine.watermark import Watermark, detect, detect_text
 

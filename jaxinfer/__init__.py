@@ -1,11 +1,13 @@
 """jaxinfer: LLM inference and serving on JAX/XLA.
 
 ``from jaxinfer import Engine, SamplingParams``. Heavy modules load lazily, so the host-only
-parts (config, scheduler, block manager) never pull in jax.
+parts (the config records, scheduler, block manager) never pull in jax.
 """
 
-from jaxinfer.config import (CompletionOutput, EngineConfig, Logprob, ModelConfig,
-                             RequestOutput, SamplingParams)
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "Logprob", "ModelConfig",
            "RequestOutput", "SamplingParams"]

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from jaxinfer.config import DEFAULT_WEIGHT_CACHE, speculative_fields
+from jaxinfer.engine_config import DEFAULT_WEIGHT_CACHE, speculative_fields
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
 
@@ -186,7 +186,7 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmup: str = "full"):
-    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine_config import EngineConfig
 
     return EngineConfig(
         dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
@@ -248,7 +248,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace):
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import Logprob, ModelConfig, SamplingParams
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.outputs import Logprob
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.attention.contiguous import contiguous_attention
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc

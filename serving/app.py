@@ -47,7 +47,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from jaxinfer.config import RequestOutput, SamplingParams
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.lora import allowed_dirs
 from jaxinfer.errors import EngineDeadError, QueueFullError, RequestFailedError
 from serving import guard

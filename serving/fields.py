@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxinfer.config import RequestOutput
+from jaxinfer.outputs import RequestOutput
 
 log = logging.getLogger("jaxinfer.serving")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
 from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, check_token_ids,
                             Limits, is_int, short, type_name)

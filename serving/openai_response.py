@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxinfer.config import Logprob, RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from serving import scoring_response as SR
 from serving.request import GenRequest
 from serving.tools import parse_tool_calls, stream_tool_deltas

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.fields import MAX_STOP, SEED_MAX, SEED_MIN
 from serving.openai_request import CHAT_ROLES
 

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
 from serving.fields import Fields, Limits, short
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
 from serving.fields import Fields, Limits, type_name
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jaxinfer.config import Logprob, RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from serving.token_texts import finite
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxinfer.config import Logprob, RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 
 
 @dataclass(slots=True)

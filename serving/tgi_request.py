@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from serving.errors import ProtocolError, bad
 from serving.fields import SEED_MAX, Fields, Limits, short, type_name
 from serving.guided_protocol import tgi_grammar

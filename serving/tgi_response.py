@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxinfer.config import CompletionOutput, Logprob, RequestOutput
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.request import GenRequest
 from serving.scoring_response import tgi_prefill
 from serving.stream import DeltaTracker

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from jaxinfer.config import RequestOutput
+from jaxinfer.outputs import RequestOutput
 
 DEFAULT_SERVICE_NAME = "jaxinfer"
 

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
-from jaxinfer.config import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.errors import EngineDeadError, QueueFullError
 
 CORPUS = ("Once upon a time a small robot learned to paint. It painted the sea, "

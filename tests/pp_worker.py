@@ -75,7 +75,7 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
 
     eng = Engine(loaded=tiny_loaded("llama_8q4kv", num_layers=4), progress=False,

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.beam import BeamState, check_width  # noqa: E402
 from test_hf_oracle import TINY  # noqa: E402
 

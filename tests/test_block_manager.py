@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import Sequence, next_seq_id
 

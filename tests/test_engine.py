@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import ModelConfig, SamplingParams
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import QueueFullError
 from jaxinfer.loading import LoadedModel, load_model

@@ -31,7 +31,7 @@ from mock_engine import free_port, serve_in_thread  # noqa: E402
 from test_serving import sse_events, wait_for  # noqa: E402
 from tiny_server import MODEL_NAME, tiny_async_engine  # noqa: E402
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from serving.app import build_app  # noqa: E402
 from serving.openapi import openapi_schema  # noqa: E402
 

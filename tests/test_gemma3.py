@@ -18,7 +18,7 @@ import torch  # a declared dependency (test extras): missing it fails, never ski
 import transformers  # a declared dependency (test extras): missing it fails, never skips
 
 from jaxinfer.models.registry import config_from_hf  # noqa: E402
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import LoadedModel, build_model, hf_tensors_to_flat  # noqa: E402
 from jaxinfer.reference import ReferenceGenerator  # noqa: E402

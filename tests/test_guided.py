@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from guided_schemas import SCHEMAS  # noqa: E402
 from test_engine import COMPILES, TINY_ENGINE_KW, tiny_loaded  # noqa: E402
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import MAX_SPEC_CHARS, SamplingParams  # noqa: E402
 from jaxinfer.engine import guided as G  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_logit_bias_min_tokens_bad_words(eng, baseline, tok):
     ({"regex": "(ab"}, "unclosed group"),
     ({"grammar": "start: foo\n"}, "foo"),
     ({"choice": []}, "non-empty"),
-    ({"regex": "a" * (G.MAX_SPEC_CHARS + 1)}, "over the limit"),
+    ({"regex": "a" * (MAX_SPEC_CHARS + 1)}, "over the limit"),
 ])
 def test_invalid_grammars_are_refused_with_the_library_message(eng, guided, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):

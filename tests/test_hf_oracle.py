@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_greedy import teacher_forced_logits  # noqa: E402
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
 

@@ -108,7 +108,7 @@ def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def test_the_graph_sees_function_local_and_relative_imports():
     g = import_graph()
-    assert "jaxinfer.engine.engine" in g and "jaxinfer.config" in g["jaxinfer.engine.engine"]
+    assert "jaxinfer.engine.engine" in g and "jaxinfer.engine_config" in g["jaxinfer.engine.engine"]
     # a function-local import (cli's serve command) is an edge like any other
     assert "serving.server" in g["serving.cli"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}

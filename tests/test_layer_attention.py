@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.models.registry import config_from_hf  # noqa: E402
 from jaxinfer.attention.contiguous import contiguous_attention
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.reference import paged_contiguous_attention
 
 BASE = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

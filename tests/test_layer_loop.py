@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import ModelConfig, SamplingParams
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import LoadedModel

@@ -28,7 +28,8 @@ import peft  # a declared dependency (test extras): missing it fails, never skip
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf_oracle import TINY, Family, build_family  # noqa: E402
 
-from jaxinfer.config import EngineConfig, SamplingParams  # noqa: E402
+from jaxinfer.engine_config import EngineConfig  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine import lora as LR  # noqa: E402
 from jaxinfer.engine.block_manager import BlockManager  # noqa: E402
 from jaxinfer.engine.scheduler import Scheduler  # noqa: E402

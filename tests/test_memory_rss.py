@@ -1,5 +1,5 @@
-"""Host memory (engine/memory.py): the C heap's free pages go back to the system, code
-pages nothing runs any more are unmapped, and the warm-up hands back the compiler's
+"""Host memory (jaxinfer/host_memory.py): the C heap's free pages go back to the system,
+code pages nothing runs any more are unmapped, and the warm-up hands back the compiler's
 scratch and code after every bucket (engine/warmup.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from jaxinfer.engine import memory, warmup
+from jaxinfer import host_memory as memory
+from jaxinfer.engine import warmup
 from jaxinfer.engine.batch import BucketLadders
 
 # Linux with glibc (CI's machines): malloc_trim exists and /proc/self/status gives the RSS

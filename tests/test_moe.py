@@ -28,7 +28,7 @@ import transformers  # a declared dependency (test extras): missing it fails, ne
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from jaxinfer.models.registry import config_from_hf  # noqa: E402
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from test_hf_oracle import MIXTRAL, QWEN3_MOE, TINY, Family, build_family  # noqa: E402
 from tp_worker import run_on_fake_devices  # noqa: E402
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.engine import Engine
 
 from test_engine import run_with_arrivals, stream_through_async_engine, tiny_loaded

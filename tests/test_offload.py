@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine import offload
 
 # A tiny 4-layer model (tests/tp_worker.py's), small buckets.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import sharding
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 
 WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
 ROOT = WORKER.parents[1]

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_parallel import ROOT, _cache_args, _env, run_processes  # noqa: E402
 
-from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.engine_config import EngineConfig  # noqa: E402
 from jaxinfer.engine import pipeline  # noqa: E402
 from jaxinfer.engine.batch import Bucket, BucketLadders  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_ladders_cut_prefill_shapes_for_the_stages():
 def test_refusals():
     from flax import nnx
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.gpt import GptForCausalLM  # noqa: F401  (registers the GPT families)
     from jaxinfer.models.llama import LlamaForCausalLM
 

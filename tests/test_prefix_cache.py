@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager, PageOp
 from jaxinfer.engine.host_page_index import HostPage
 from jaxinfer.engine.sequence import Sequence, next_seq_id

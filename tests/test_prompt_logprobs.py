@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
 from test_engine import COMPILES  # noqa: E402

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.quantization import int4_group, is_quantized, quantize_model, weight_bytes
 from jaxinfer.reference import ReferenceGenerator
@@ -227,7 +228,7 @@ def test_kv_cache_dtype_errors():
 def test_kv_cache_dtype_auto_follows_the_weights():
     """"auto" (None) stores int8 pages exactly when the weights are quantized and nothing
     speculates; "model" and "int8" are what they say (config.kv_cache_dtype)."""
-    from jaxinfer.config import kv_cache_dtype
+    from jaxinfer.engine_config import kv_cache_dtype
 
     for q in (None, "int8", "int4"):
         want_auto = None if q is None else "int8"

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import SamplingParams as SP
+from jaxinfer.sampling_params import SamplingParams as SP
 from jaxinfer.engine import sampler as S
 
 _sample = jax.jit(S.sample, static_argnames=("num_logprobs", "topk_cap", "num_proposals", "row_block"))

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, SequenceStatus, make_sequences
@@ -548,7 +548,7 @@ def test_min_sampler_rows_gives_one_sampler_width():
     """EngineConfig.min_sampler_rows: every bucket's sampler rows are at least that many
     (num_seqs rounded up to a power of two otherwise), in the ladder and in the buckets
     ``choose`` returns, so a step's sampler input has that width; below 1: refused."""
-    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine_config import EngineConfig
     from jaxinfer.engine.batch import BucketLadders, build_step
 
     shapes = ((4, 16),)

@@ -27,7 +27,7 @@ from mock_engine import serve_in_thread  # noqa: E402
 from test_hf_oracle import FAMILIES, build_family  # noqa: E402
 from test_prompt_logprobs import hf_prompt_logprobs  # noqa: E402
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine import watermark as W  # noqa: E402
 from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from mock_engine import CORPUS, CharTokenizer, MockAsyncEngine, free_port, serve_in_thread  # noqa: E402
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from serving.app import build_app  # noqa: E402
 
 MODEL = "mock-model"

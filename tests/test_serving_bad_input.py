@@ -389,7 +389,7 @@ def test_overload_burst_completes_or_503():
 
 
 def _greedy(max_tokens, **kw):
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
 
 

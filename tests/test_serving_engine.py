@@ -30,7 +30,7 @@ from test_serving import sse_events, wait_for  # noqa: E402
 from tiny_server import MODEL_NAME, tiny_async_engine  # noqa: E402
 
 from serving.cli import resolve_api_key  # noqa: E402
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from serving.app import build_app  # noqa: E402
 
 KEY = "k3y-from-env"

@@ -278,7 +278,7 @@ def _run(engine, prompts, params, deltas):
 
 
 def test_deltas_join_to_the_cumulative_outputs(server):
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     prompts = ["Hello there", "The quick brown fox", [5, 6, 7, 8, 9]]
     p = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2, stop=["e t"])
@@ -296,7 +296,7 @@ def test_deltas_join_to_the_cumulative_outputs(server):
 
 
 def test_add_and_abort_never_wait_for_a_step(server, monkeypatch):
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     aeng, engine = server.aeng, server.aeng.engine
     real_step, step_s = engine.step, 0.5
@@ -343,7 +343,7 @@ def test_add_and_abort_never_wait_for_a_step(server, monkeypatch):
 
 
 def test_tokenization_runs_off_the_event_loop(server, monkeypatch):
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     aeng = server.aeng
     threads = []

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from mock_engine import serve_in_thread  # noqa: E402
 
-from jaxinfer.config import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxinfer.config import EngineConfig, ModelConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.scheduler import Scheduler
@@ -240,7 +242,7 @@ def test_vllm_speculative_config():
     """vLLM's ``speculative_config`` (Engine keyword, ``--speculative-config`` JSON) names the
     same settings as the speculative_* fields; unknown keys, trained-head methods, a second
     draft device and a setting given twice are refused by name."""
-    from jaxinfer.config import speculative_fields, with_speculative_config
+    from jaxinfer.engine_config import speculative_fields, with_speculative_config
     from jaxinfer.engine_args import engine_config
     from serving.cli import build_parser
 
@@ -282,7 +284,7 @@ def test_vllm_speculative_config():
 def test_auto_draft_quantization():
     """speculative_quantization "auto" (the default): int4 where the CPU kernel's 4-bit panels
     run or the target is quantized, int8 otherwise; an explicit choice is kept."""
-    from jaxinfer.config import draft_quantization
+    from jaxinfer.engine_config import draft_quantization
 
     c = EngineConfig(speculative_method="self")
     assert c.speculative_quantization == "auto"

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from jaxinfer.config import DEFAULT_COMPILATION_CACHE, EngineConfig
+from jaxinfer.engine_config import DEFAULT_COMPILATION_CACHE, EngineConfig
 from jaxinfer.loading.default import DEFAULT_GGUF, model_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +92,7 @@ def test_kv_cache_memory_flag_takes_sizes_with_units():
 def test_engine_in_python_serves_after_the_first_buckets_by_default():
     """Engine() with no warm-up named compiles the rest in the background (this test
     process chose "full" in conftest, so a fresh interpreter says what users get)."""
-    code = ("from jaxinfer.config import EngineConfig\n"
+    code = ("from jaxinfer.engine_config import EngineConfig\n"
             "from jaxinfer.engine.warmup import default_mode\n"
             "print(EngineConfig().warmup, default_mode())\n")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -109,7 +109,7 @@ def test_a_script_that_exits_while_buckets_compile_exits_cleanly():
             f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
             "from tp_worker import TINY, tiny_loaded\n"
             "from jaxinfer import Engine\n"
-            "from jaxinfer.config import SamplingParams\n"
+            "from jaxinfer.sampling_params import SamplingParams\n"
             "eng = Engine(loaded=tiny_loaded(next(iter(TINY))), progress=False, warmup='background',\n"
             "             max_num_seqs=16, max_model_len=128, num_pages=64, compilation_cache_dir='')\n"
             "eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))\n"

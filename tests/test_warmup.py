@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.config import EngineConfig, SamplingParams
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.batch import Bucket, BucketLadders, default_ladders
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.warmup import priority_order

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.config import SamplingParams as SP
+from jaxinfer.sampling_params import SamplingParams as SP
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine import watermark as W
 

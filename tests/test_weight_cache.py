@@ -163,7 +163,7 @@ def test_cache_directory_others_can_write_is_refused(gguf_path, tmp_path, caplog
 def test_default_dir_from_the_environment(monkeypatch, tmp_path):
     """EngineConfig's default weight cache: the process's choice (use_default_dir), else
     $JAXINFER_WEIGHT_CACHE (how tests hand theirs to the processes they start), else ~."""
-    from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+    from jaxinfer.engine_config import DEFAULT_WEIGHT_CACHE
     from jaxinfer.loading import weight_cache as W
 
     monkeypatch.setattr(W, "_default_dir", None)

@@ -30,7 +30,7 @@ def tiny_async_engine(**engine_kw: Any):
     import pytest
     from flax import nnx
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.engine.async_engine import AsyncEngine
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import LoadedModel

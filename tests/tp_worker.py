@@ -71,7 +71,7 @@ class ByteTokenizer:
 def tiny_loaded(name: str, num_layers: int = 2):
     from flax import nnx
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.loading import LoadedModel
     from jaxinfer.models.llama import LlamaForCausalLM
 
@@ -97,7 +97,7 @@ def run_engine(loaded, dp: int, tp: int, prompts, max_tokens: int = 8, hlo: bool
     adapter name (tests/lora_tp_worker.py)."""
     import numpy as np
 
-    from jaxinfer.config import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
 
     eng = Engine(loaded=loaded, progress=False, tensor_parallel_size=tp, data_parallel_size=dp, **kw)
@@ -275,7 +275,7 @@ def mode_mp(coordinator: str, num_processes: int, process_id: int) -> dict:
     if eng.is_follower:
         res = {"process": process_id, "followed_steps": eng.follow()}
     else:
-        from jaxinfer.config import SamplingParams
+        from jaxinfer.sampling_params import SamplingParams
 
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = eng.generate(PROMPTS, sp)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 
 
 def contiguous_attention(positions: jax.Array, batch: int, seq: int, cfg: ModelConfig):

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         results, duration, model = _run_serve(args, engine, requests)
     else:
         from jaxinfer.bench import offline
-        from jaxinfer.config import SamplingParams
+        from jaxinfer.sampling_params import SamplingParams
 
         def params_for(req: datasets.BenchRequest) -> SamplingParams:
             return SamplingParams(max_tokens=req.output_len, temperature=args.temperature,

@@ -24,7 +24,8 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Callable
 
-from jaxinfer.config import CompletionOutput, RequestOutput, SamplingParams
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.errors import EngineDeadError, RequestFailedError, StepFailedError
 
 log = logging.getLogger("jaxinfer")

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.sequence import Sequence, next_seq_id
 
 

@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.config import (DRAFT_METHODS, EngineConfig, RequestMetrics, RequestOutput, SamplingParams,
-                             with_speculative_config)
+from jaxinfer.engine_config import DRAFT_METHODS, EngineConfig, with_speculative_config
+from jaxinfer.outputs import RequestMetrics, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine import resources as R
 from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.memory import map_large_blocks, release_host_memory
+from jaxinfer.host_memory import map_large_blocks, release_host_memory
 from jaxinfer.engine import search
 from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
 from jaxinfer.engine.replica import Replica, make_replica
@@ -65,7 +66,7 @@ class Engine:
             overrides = with_speculative_config(overrides)
         config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
-        map_large_blocks()          # freed large buffers go back to the system (memory.py)
+        map_large_blocks()          # freed large buffers go back to the system (host_memory.py)
         R.use_compilation_cache(config.compilation_cache_dir)
         if config.tensor_parallel_size == 0:
             config = self.config = R.resolve_auto_tp(config, loaded.config if loaded else None, model)
@@ -514,8 +515,7 @@ class Engine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         batch = self._build(rep, sched)
-        t = self._sampling_tensors(batch)
-        return rep, sched, batch, rep.runner.dispatch(batch, t, self._token_mask(batch))
+        return rep, sched, batch, rep.runner.dispatch(batch)
 
     def _drafts(self, rep: Replica) -> dict[int, list[int]] | None:
         """Speculative decoding's proposals for this step (engine/speculative.py)."""
@@ -529,17 +529,18 @@ class Engine:
                                        self.compiler.ensure, allowed)
 
     def _build(self, rep: Replica, sched: SchedulerOutput, lookahead: int = 0) -> Any:
-        """The step's batch; while buckets still compile, in a compiled bucket that holds
-        it, else in its own bucket compiled now (engine/warmup.py). A multi-step decode
-        (``lookahead``) needs its own bucket's multi-step executable."""
+        """The step's host arrays (batch.build_step); while buckets still compile, in a
+        compiled bucket that holds it, else in its own bucket compiled now
+        (engine/warmup.py). A multi-step decode (``lookahead``) needs its own bucket's
+        multi-step executable."""
         lora = rep.runner.lora and rep.runner.lora.assign({e.seq.lora_id for e in sched.scheduled}, self.loras)
-        if self.compiler.is_warm:
-            return build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead,
-                              lora_slot_of=lora)
-        ready = None if lookahead else rep.runner.is_compiled
+        warm = self.compiler.is_warm
+        ready = None if warm or lookahead else rep.runner.is_compiled
         batch = build_step(sched.scheduled, self.ladders, self.config.page_size, rep.rows, lookahead, ready,
-                           lora_slot_of=lora)
-        self.compiler.ensure(rep.runner, batch.bucket)
+                           lora_slot_of=lora, requests=self.output.requests,
+                           vocab_size=self.model_config.vocab_size)
+        if not warm:
+            self.compiler.ensure(rep.runner, batch.bucket)
         return batch
 
     def _decode_run(self) -> tuple[SchedulerOutput, int] | None:
@@ -558,54 +559,13 @@ class Engine:
         sequence that stops early drops the tokens it sampled after that."""
         rep = self.replicas[0]
         batch = self._build(rep, sched, lookahead=k - 1)
-        handle = rep.runner.dispatch_multi(batch, self._sampling_tensors(batch), k)
+        handle = rep.runner.dispatch_multi(batch, k)
         with timer.on_device():
             packed = rep.runner.fetch(handle)                      # i32[max_steps, S', 2 + 2K]
         timer.steps = k
         runs = [(slot, e.seq, k, 0) for slot, e in batch.entries]
         return replay_runs(lambda sc, en, i: self._postprocess(rep, sc, en, packed[i]),
                            (sched, batch.entries), runs)
-
-    def _sampling_tensors(self, batch):
-        from jaxinfer.engine import sampler as S
-
-        n = batch.bucket.sample_rows
-        params: list[SamplingParams | None] = [None] * n
-        seeds, steps, prev = [0] * n, [0] * n, [0] * n
-        draft_before, counts_add = {}, {}       # penalties under speculation (engine/speculative.py)
-        for slot, e in batch.entries:
-            req = self.output.requests[e.seq.request_id]
-            end = e.start_pos + e.num_new_tokens - len(e.draft)
-            # a draft's slots sample output tokens j ahead, each after the token it feeds
-            for j, fed in enumerate(e.seq.token_ids_slice(end - 1, end) + list(e.draft)):
-                params[slot + j] = e.seq.params
-                seeds[slot + j] = req.seeds[e.seq.sample_index]
-                steps[slot + j] = e.seq.num_output_tokens + j
-                prev[slot + j] = fed               # the watermark's green list follows it
-                if j and e.seq.params.penalized:
-                    draft_before[slot + j] = e.draft[:j]
-            if e.seq.uncounted_tokens:
-                counts_add[slot] = e.seq.uncounted_tokens
-                e.seq.uncounted_tokens = []
-        return S.sampling_tensors_from_params(params, seeds, steps, n, prev, draft_before, counts_add)
-
-    def _token_mask(self, batch) -> Callable[[], Any] | None:
-        """The step's TokenMask builder for the runner (called while the device runs the
-        forward), or None when no sampled row is constrained: those steps pay nothing."""
-        rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids, e.draft)
-                for slot, e in batch.entries if e.samples
-                for req in (self.output.requests[e.seq.request_id],) if req.constraints]
-        if not rows:
-            return None
-
-        def build():
-            from jaxinfer.engine import guided as G
-            from jaxinfer.engine import sampler as S
-
-            m = G.build_mask(batch.bucket.sample_rows, self.model_config.vocab_size, rows)
-            return S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active)
-
-        return build
 
     def _postprocess(self, rep: Replica, sched: SchedulerOutput, entries: list, packed: np.ndarray
                      ) -> list[RequestState]:

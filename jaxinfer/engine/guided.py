@@ -2,7 +2,8 @@
 
 A request may carry a grammar (``SamplingParams.guided``: a JSON schema, any JSON object, a
 regex, a list of choices or a Lark / GBNF grammar), a ``logit_bias``, ``min_tokens`` and
-``bad_words``. Each becomes part of one per-row ``TokenMask`` that the sampler applies on the
+``bad_words``, parsed and bounded with the request (sampling_params.py: ``GuidedDecoding``).
+Each becomes part of one per-row ``TokenMask`` that the sampler applies on the
 device after penalties and before temperature (``sampler.apply_token_mask``):
 
 * bits i32[S', ceil(V / 32)]: bit j of row i = token j allowed (llguidance's layout, so its
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,16 +35,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from jaxinfer import untrusted_json
+from jaxinfer.sampling_params import MAX_LOGIT_BIAS, GuidedDecoding, GuidedDecodingError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_SPEC_CHARS = 64 * 1024      # a schema / regex / grammar's text
-MAX_CHOICES = 256
-MAX_CHOICE_CHARS = 1024
-MAX_LOGIT_BIAS = 300            # entries per request (the device width of the bias arrays)
-MAX_BAD_WORDS = 64
-MAX_BAD_WORD_TOKENS = 16
-MAX_SCHEMA_DEPTH = 64           # arrays/objects nested in a JSON schema
+MAX_BAD_WORD_TOKENS = 16        # tokens of one bad word
 GRAMMAR_CACHE_SIZE = 128        # compiled grammars kept, least recently used dropped first
 GRAMMAR_COMPILE_SECONDS = 10.0  # a compile's time budget (queueing included); past it: refused
 GRAMMAR_COMPILE_WORKERS = 2     # compiles at once, in threads off the engine's path
@@ -58,77 +51,6 @@ PARSER_LIMITS = dict(max_grammar_size=100_000, max_lexer_states=50_000, initial_
 # Compact JSON (", " and ": " separators, no free whitespace): small models fed free
 # whitespace tend to emit it forever; every output is still valid JSON.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class GuidedDecodingError(ValueError):
-    """A grammar the library refuses (invalid, unsupported feature, over a limit)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GuidedDecoding:
-    """What the output must match. ``kind`` is one of KINDS; ``value`` is the schema as
-    canonical JSON text (json), None (json_object), the regex / grammar text, or the tuple
-    of choices. Build with ``GuidedDecoding.parse`` from the API's shapes."""
-
-    kind: str
-    value: Any = None
-
-    @staticmethod
-    def parse(x: Any) -> "GuidedDecoding":
-        """From a GuidedDecoding or a dict with one key: ``json`` (schema object or text),
-        ``json_object`` (true), ``regex``, ``choice`` (list of strings), ``grammar``."""
-        if isinstance(x, GuidedDecoding):
-            return _checked(x.kind, x.value)
-        if not isinstance(x, dict) or len(x) != 1:
-            raise ValueError(f"guided: expected a dict with one of the keys {', '.join(KINDS)}, got {x!r:.80}")
-        (kind, value), = x.items()
-        if kind == "json":
-            value = _schema_text(value)
-        elif kind == "json_object":
-            value = None
-        elif kind == "choice" and isinstance(value, (list, tuple)):
-            value = tuple(value)
-        return _checked(kind, value)
-
-    def cache_key(self) -> str:
-        return json.dumps([self.kind, self.value])
-
-
-def _schema_text(value: Any) -> str:
-    """A schema (object or its JSON text, from a client) -> canonical text; refuses text the
-    parser would choke on and nesting no schema needs (either would reach llguidance or
-    json.dumps as a RecursionError)."""
-    try:
-        if isinstance(value, str):
-            value = untrusted_json.loads(value, MAX_SCHEMA_DEPTH)
-        elif isinstance(value, dict):
-            untrusted_json.check_depth(value, MAX_SCHEMA_DEPTH)
-    except untrusted_json.UntrustedJSONError as e:
-        raise GuidedDecodingError(f"guided.json: the schema {e}") from None
-    if not isinstance(value, (dict, bool)):
-        raise GuidedDecodingError(f"guided.json: a schema must be an object, got {type(value).__name__}")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _checked(kind: str, value: Any) -> GuidedDecoding:
-    if kind not in KINDS:
-        raise ValueError(f"guided: unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
-    if kind == "choice":
-        if not isinstance(value, tuple) or not value:
-            raise GuidedDecodingError("guided.choice: expected a non-empty list of strings")
-        if len(value) > MAX_CHOICES:
-            raise GuidedDecodingError(f"guided.choice: at most {MAX_CHOICES} choices, got {len(value)}")
-        for c in value:
-            if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
-                raise GuidedDecodingError(f"guided.choice: each choice must be a non-empty string of at "
-                                          f"most {MAX_CHOICE_CHARS} characters, got {c!r:.80}")
-    elif kind != "json_object":
-        if not isinstance(value, str) or not value:
-            raise GuidedDecodingError(f"guided.{kind}: expected a non-empty string")
-        if len(value) > MAX_SPEC_CHARS:
-            raise GuidedDecodingError(f"guided.{kind}: {len(value)} characters is over the limit of "
-                                      f"{MAX_SPEC_CHARS}")
-    return GuidedDecoding(kind, value)
 
 
 def grammar_text(spec: GuidedDecoding) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.engine_config import EngineConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

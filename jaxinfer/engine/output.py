@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from jaxinfer.config import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine import search
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput

@@ -12,8 +12,9 @@ import logging
 import os
 from typing import Any, Callable
 
-from jaxinfer.config import EngineConfig, ModelConfig, kv_cache_dtype
-from jaxinfer.engine.memory import available_ram, total_ram
+from jaxinfer.engine_config import EngineConfig, kv_cache_dtype
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.host_memory import available_ram, total_ram
 
 log = logging.getLogger("jaxinfer")
 
@@ -236,7 +237,7 @@ def start_background_work(quantization: str | None = None) -> None:
 def use_compilation_cache(path: str | None) -> None:
     """EngineConfig.compilation_cache_dir: on by default, in the documented location unless
     the process already chose one (tests, an embedding application); None / "" = off."""
-    from jaxinfer.config import DEFAULT_COMPILATION_CACHE
+    from jaxinfer.engine_config import DEFAULT_COMPILATION_CACHE
 
     if not path or (path == DEFAULT_COMPILATION_CACHE and _configured_cache_dir()):
         return

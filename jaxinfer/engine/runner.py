@@ -31,7 +31,8 @@ from jax import lax
 
 from jaxinfer import matmul as M
 from jaxinfer import quantization
-from jaxinfer.config import ModelConfig, SamplingParams
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer import sharding as shd
 from jaxinfer.attention import dispatch
 from jaxinfer.engine import kv_cache as kvc

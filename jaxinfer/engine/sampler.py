@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.config import MAX_SPECULATIVE_TOKENS, SamplingParams
+from jaxinfer.engine_config import MAX_SPECULATIVE_TOKENS
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.watermark import green_mask
 from jaxinfer.reductions import row_sum
 

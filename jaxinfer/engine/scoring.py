@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.config import Logprob
+from jaxinfer.outputs import Logprob
 from jaxinfer.engine import sampler as S
 
 ROW_BLOCK = 8      # rows scored per scan step: keeps the [rows, V] temporaries in cache

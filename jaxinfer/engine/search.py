@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxinfer.config import CompletionOutput, Logprob, SamplingParams
+from jaxinfer.outputs import CompletionOutput, Logprob
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.beam import BeamRequest, check_width
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.sequence import Sequence

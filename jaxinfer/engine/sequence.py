@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

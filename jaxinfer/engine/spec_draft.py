@@ -61,7 +61,7 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from jaxinfer.config import EngineConfig, draft_quantization
+from jaxinfer.engine_config import EngineConfig, draft_quantization
 from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine.batch import Bucket, BucketLadders, as_device_args, build_step

@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.engine_config import EngineConfig
 from jaxinfer.engine.output import replay_runs
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence

@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from jaxinfer.engine.batch import Bucket, BucketLadders
-from jaxinfer.engine.memory import release_code_pages, trim_heap
+from jaxinfer.host_memory import release_code_pages, trim_heap
 
 log = logging.getLogger("jaxinfer")
 

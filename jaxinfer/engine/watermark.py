@@ -5,10 +5,11 @@ to its logit. The green list depends only on the previous token, as in TGI (its
 ``WatermarkLogitsProcessor``: seed = 15485863 * previous token), so a detector that sees
 the text alone can recompute it.
 
-Defaults: gamma 0.25, delta 2.0, those of the authors' reference implementation
-(TGI's are gamma 0.5, delta 2.0). At 128 tokens of the default model TGI's pair left 6.5%
-of watermarked texts under z = 4 and gamma 0.25 left 3% (benchmarks/RESULTS.md): a smaller
-green list makes each green token stronger evidence.
+A request's parameters are a ``sampling_params.Watermark``. Defaults: gamma 0.25, delta
+2.0, those of the authors' reference implementation (TGI's are gamma 0.5, delta 2.0). At
+128 tokens of the default model TGI's pair left 6.5% of watermarked texts under z = 4 and
+gamma 0.25 left 3% (benchmarks/RESULTS.md): a smaller green list makes each green token
+stronger evidence.
 
 Detection: the fraction of green tokens in a text. Without the watermark each token is
 green with probability ``gamma``, so with ``G`` green tokens out of ``T`` scored,
@@ -36,52 +37,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from jaxinfer.sampling_params import DEFAULT_GAMMA, Watermark
+
 HASH_KEY = 15485863          # TGI's: a large prime, the previous token times it seeds the list
 _GOLDEN = 0x9E3779B1          # spreads consecutive token ids over the 32-bit range
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35   # murmur3's fmix32 constants
-MAX_DELTA = 100.0
-DEFAULT_GAMMA, DEFAULT_DELTA = 0.25, 2.0     # the paper's reference implementation's (see above)
-
-
-@dataclass(frozen=True, slots=True)
-class Watermark:
-    """Per-request watermark parameters (defaults: the paper's reference implementation)."""
-
-    gamma: float = DEFAULT_GAMMA      # fraction of the vocabulary on each green list
-    delta: float = DEFAULT_DELTA      # logit bias added to green tokens
-
-    def __post_init__(self) -> None:
-        for name in ("gamma", "delta"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"watermark.{name}: must be a number, got {v!r}")
-        if not 0 < self.gamma < 1:
-            raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma!r}")
-        if not 0 < self.delta <= MAX_DELTA:
-            raise ValueError(f"watermark.delta: must be in (0, {MAX_DELTA:g}], got {self.delta!r}")
-
-    @property
-    def threshold(self) -> int:
-        """Hashes below this are green: ``floor(gamma * 2**32)`` (host-computed for both
-        the sampler's tensors and the detector, so both compare the same integer)."""
-        return int(self.gamma * 2**32)
-
-    @classmethod
-    def parse(cls, value: Any) -> "Watermark | None":
-        """``SamplingParams.watermark``: None / False (off), True (defaults), a dict with
-        ``gamma`` / ``delta``, or a Watermark."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {"gamma", "delta"}
-            if unknown:
-                raise ValueError(f"watermark: unknown field {sorted(unknown)[0]!r} (gamma, delta)")
-            return cls(**value)
-        raise ValueError(f"watermark: expected true/false or {{'gamma': ..., 'delta': ...}}, got {value!r:.80}")
 
 
 def _fmix32(h: Any, xp: Any) -> Any:

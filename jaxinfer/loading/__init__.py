@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.loading.model import (DTYPES, LoadedModel, build_model, hf_tensors_to_flat,  # noqa: F401
                                     resolve_dtype)
 from jaxinfer.models.registry import config_from_hf, model_class

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.loading.lazy import LazyTensors
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.registry import model_class, params_from_flat, weight_specs

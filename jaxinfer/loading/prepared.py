@@ -25,7 +25,7 @@ def load_prepared(model: str | None, dtype: str, quantization: str | None,
     """``model`` (as for load_model) loaded, quantized or laid out for the CPU kernels
     (``codes``: EngineConfig.weight_codes); through the weight cache ``cache_dir``
     (EngineConfig.weight_cache_dir) unless it is None / ""."""
-    from jaxinfer.engine.memory import map_large_blocks, release_host_memory
+    from jaxinfer.host_memory import map_large_blocks, release_host_memory
     from jaxinfer.quantization import prepare_for_engine, weight_finisher
 
     t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def use_default_dir(path: str) -> None:
 def resolve_dir(configured: str | None) -> str | None:
     """The directory EngineConfig.weight_cache_dir names (None: off). The default one is
     ``use_default_dir``'s, else ``$JAXINFER_WEIGHT_CACHE``, else ~/.cache/jaxinfer/weights."""
-    from jaxinfer.config import DEFAULT_WEIGHT_CACHE
+    from jaxinfer.engine_config import DEFAULT_WEIGHT_CACHE
 
     if not configured:
         return None

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

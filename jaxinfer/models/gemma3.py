@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import LAYER_TYPES, ModelConfig, RopeScaling, hf_common_fields
 from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec
+from jaxinfer.models.config import (LAYER_TYPES, ModelConfig, RopeScaling, hf_common_fields,
+                                     rope_scaling_from_hf)
 from jaxinfer.models.llama import DecoderLayer, LlamaForCausalLM
 from jaxinfer.models.llama import weight_specs as llama_weight_specs
 
@@ -68,13 +69,7 @@ def _rope_params(d: Mapping[str, Any]) -> tuple[float, float, RopeScaling | None
         raise ValueError(f"rope_parameters.sliding_attention.rope_type: unsupported {ltype!r} "
                          "(sliding layers support the default rotary only)")
     ftype = full.get("rope_type", full.get("type", "default"))
-    scaling = None
-    if ftype not in (None, "default"):
-        scaling = RopeScaling(
-            rope_type=ftype, factor=float(full.get("factor", 1.0)),
-            low_freq_factor=float(full.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(full.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(full.get("original_max_position_embeddings", 8192)))
+    scaling = rope_scaling_from_hf(full, ftype) if ftype not in (None, "default") else None
     return (float(full.get("rope_theta", 1_000_000.0)), float(local.get("rope_theta", 10_000.0)),
             scaling)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer import matmul as M
 from jaxinfer.models import layers as L
 from jaxinfer.models.base import AttentionFn, MatmulFn, WeightSpec, fused_part, init_value

@@ -1,9 +1,9 @@
 """HF ``config.json`` -> ModelConfig for the GPT-style families (models/gpt.py): GPT-2,
 GPT-NeoX (Pythia), OPT, BLOOM, Falcon, GPTBigCode (StarCoder / SantaCoder) and MPT.
 
-Plain data, no jax: ``ModelConfig.from_hf`` calls ``config_from_hf`` for these names. Each
-family's reader maps its own field names onto one ``GptStyle`` record of flags; a field
-whose value we do not implement is refused here, at load time, with its name.
+Plain data, no jax: models/registry.config_from_hf calls ``config_from_hf`` for these
+names. Each family's reader maps its own field names onto one ``GptStyle`` record of
+flags; a field whose value we do not implement is refused here, at load time, with its name.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+from jaxinfer.bounds import require
+from jaxinfer.models.config import ACTIVATIONS, ModelConfig, hf_eos_ids
 
 # HF `architectures` name -> the family's reader (below).
 GPT_FAMILY = (
@@ -63,26 +66,15 @@ class GptStyle:
     conv1d: bool = False                # GPT-2: Conv1D weights stored [in, out]
 
 
-def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
-
-
 def _refuse_rope_scaling(d: Mapping[str, Any], arch: str) -> float:
     """The rope base; any rope scaling is refused naming the field."""
     rp = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), Mapping) else {}
     rs = d.get("rope_scaling") or None
     rtype = (rs or {}).get("rope_type", (rs or {}).get("type")) if rs else rp.get("rope_type", "default")
-    _require(rtype in (None, "default"), "rope_scaling" if rs else "rope_parameters.rope_type",
-             f"{arch}: rope scaling {rtype!r} is not supported (only unscaled rotary)")
+    require(rtype in (None, "default"), "rope_scaling" if rs else "rope_parameters.rope_type",
+            f"{arch}: rope scaling {rtype!r} is not supported (only unscaled rotary)")
     theta = d.get("rope_theta", rp.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
     return float(theta)
-
-
-def _eos(d: Mapping[str, Any]) -> tuple[int, ...]:
-    eos = d.get("eos_token_id")
-    ids = eos if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    return tuple(int(e) for e in ids)
 
 
 class _Reader:
@@ -103,14 +95,12 @@ class _Reader:
 
     def refuse(self, key: str, ok: Callable[[Any], bool], default: Any, what: str) -> None:
         v = self.get(key, default)
-        _require(ok(v), key, f"{self.arch}: {what} (got {v!r})")
+        require(ok(v), key, f"{self.arch}: {what} (got {v!r})")
 
 
 def _act(name: str, arch: str, field: str) -> str:
-    from jaxinfer.config import ACTIVATIONS
-
-    _require(name in ACTIVATIONS, field, f"{arch}: unsupported activation {name!r} "
-             f"(supported: {', '.join(ACTIVATIONS)})")
+    require(name in ACTIVATIONS, field, f"{arch}: unsupported activation {name!r} "
+            f"(supported: {', '.join(ACTIVATIONS)})")
     return name
 
 
@@ -147,8 +137,8 @@ def _gpt_neox(r: _Reader) -> dict[str, Any]:
     rp = r.d.get("rope_parameters") if isinstance(r.d.get("rope_parameters"), Mapping) else {}
     pct = float(rp.get("partial_rotary_factor", r.get("rotary_pct", 0.25)))
     rot = int(hd * pct)
-    _require(0 < rot <= hd and rot % 2 == 0, "rotary_pct",
-             f"{r.arch}: rotates {rot} of {hd} features per head; must be even and > 0")
+    require(0 < rot <= hd and rot % 2 == 0, "rotary_pct",
+            f"{r.arch}: rotates {rot} of {hd} features per head; must be even and > 0")
     bias = bool(r.get("attention_bias", True))
     return dict(hidden_size=D, num_heads=H, num_kv_heads=H, num_layers=int(r.need("num_hidden_layers")),
                 intermediate_size=int(r.need("intermediate_size")),
@@ -203,8 +193,8 @@ def _falcon(r: _Reader) -> dict[str, Any]:
              "BLOOM and MPT use ALiBi")
     new = bool(r.get("new_decoder_architecture", False))
     parallel = bool(r.get("parallel_attn", True))
-    _require(parallel or not new, "parallel_attn",
-             f"{r.arch}: new_decoder_architecture needs parallel_attn (transformers has no other form)")
+    require(parallel or not new, "parallel_attn",
+            f"{r.arch}: new_decoder_architecture needs parallel_attn (transformers has no other form)")
     if new:
         kvh = int(r.get("num_kv_heads", H))
         qkv = FusedQKV(kvh, ((H // kvh) * hd, hd, hd))
@@ -258,16 +248,14 @@ _READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
 }
 
 
-def config_from_hf(d: Mapping[str, Any]) -> Any:
+def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig for one of GPT_FAMILY from its HF config dict."""
-    from jaxinfer.config import ModelConfig
-
     arch = d["architectures"][0]
     r = _Reader(d, arch)
     fields = _READERS[arch](r)
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
-    _require(fields["head_dim"] * fields["num_heads"] == fields["hidden_size"] or arch == "FalconForCausalLM",
-             "num_attention_heads", f"{arch}: hidden size {fields['hidden_size']} is not a multiple "
-             f"of {fields['num_heads']} heads")
+    require(fields["head_dim"] * fields["num_heads"] == fields["hidden_size"] or arch == "FalconForCausalLM",
+            "num_attention_heads", f"{arch}: hidden size {fields['hidden_size']} is not a multiple "
+            f"of {fields['num_heads']} heads")
     return ModelConfig(architecture=arch, vocab_size=int(r.need("vocab_size")),
-                       bos_token_id=d.get("bos_token_id"), eos_token_ids=_eos(d), **fields)
+                       bos_token_id=d.get("bos_token_id"), eos_token_ids=hf_eos_ids(d), **fields)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.reductions import row_sum, row_sum_squares
 
 

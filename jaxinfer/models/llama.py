@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.config import ModelConfig, hf_common_fields
+from jaxinfer.models.config import ModelConfig, hf_common_fields
 from jaxinfer import matmul as M
 from jaxinfer.models import layer_loop
 from jaxinfer.models import layers as L

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.models import moe
 from jaxinfer.models.base import MatmulFn, WeightSpec

@@ -1,10 +1,10 @@
 """HF ``config.json`` -> ModelConfig for the mixture-of-experts families (models/mixtral.py):
 Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Plain data, no jax: ``ModelConfig.from_hf`` calls ``config_from_hf`` for these names. The
-attention is the Llama family's (read by config.hf_common_fields as for Mistral, Qwen2 or
-Qwen3); the MLP's routing is one ``MoeStyle`` record. A field whose value we do not
-implement is refused here, at load time, with its name.
+Plain data, no jax: models/registry.config_from_hf calls ``config_from_hf`` for these
+names. The attention is the Llama family's (read by models/config.hf_common_fields as for
+Mistral, Qwen2 or Qwen3); the MLP's routing is one ``MoeStyle`` record. A field whose value
+we do not implement is refused here, at load time, with its name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-# HF `architectures` name -> the HF model it borrows its attention from (config.hf_common_fields).
+from jaxinfer.models.config import ModelConfig, hf_common_fields
+
+# HF `architectures` name -> the HF model it borrows its attention from (models/config.hf_common_fields).
 MOE_FAMILY = {
     "MixtralForCausalLM": "MistralForCausalLM",
     "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
@@ -52,10 +54,8 @@ def _refuse(d: Mapping[str, Any], key: str, ok: Any, arch: str, why: str) -> Non
         raise ValueError(f"{key}: {d[key]!r} is not supported for {arch} ({why})")
 
 
-def config_from_hf(d: Mapping[str, Any]) -> Any:
+def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig for one of MOE_FAMILY from its HF config dict."""
-    from jaxinfer.config import ModelConfig, hf_common_fields
-
     arch = d["architectures"][0]
     # (Qwen3-MoE's sliding window is read below; the dense Qwen readers refuse it)
     fields = hf_common_fields({**d, "use_sliding_window": False}, MOE_FAMILY[arch])

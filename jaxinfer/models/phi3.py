@@ -17,7 +17,7 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
-from jaxinfer.config import ModelConfig, hf_common_fields
+from jaxinfer.models.config import ModelConfig, hf_common_fields
 from jaxinfer.models.base import WeightSpec, fused_part
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.llama import weight_specs as llama_weight_specs

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 
-from jaxinfer.config import LLAMA_FAMILY, ModelConfig
+from jaxinfer.models.config import LLAMA_FAMILY, ModelConfig
 from jaxinfer.models.base import WeightSpec, build_params
 from jaxinfer.models.gemma3 import Gemma3ForCausalLM
 from jaxinfer.models.gpt import GptForCausalLM

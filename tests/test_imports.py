@@ -6,6 +6,10 @@ imports included, since those hide cycles rather than remove them. The tree does
 meet the rule yet: what it breaks today is listed in KNOWN_CYCLES / KNOWN_UPWARD_EDGES,
 and the test fails both on anything new and on a listed entry that no longer exists, so
 the lists can only shrink (delete an entry when its cycle is broken).
+
+Inside jaxinfer/ the modules stand in layers (issue 52: LAYERS): config records <
+ops < models and loading < engine < the front (the package, CLI flags, bench). A module
+imports only from its own layer and those below, with no exceptions.
 """
 
 from __future__ import annotations
@@ -20,6 +24,25 @@ PACKAGES = ("serving", "jaxinfer", "pallas_kernels")        # each may import th
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # Imports against the documented direction, as (importer, imported) module pairs.
 KNOWN_UPWARD_EDGES: set[tuple[str, str]] = set()
+
+# The layers inside jaxinfer/, bottom first. An entry names a module, or with ".*" a package
+# and everything in it; a module's layer is that of its longest entry; every module of
+# jaxinfer/ has one (a new module is placed here).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # plain records, validated where they are built (no jax), and leaf helpers that import
+    # nothing of jaxinfer/ but these
+    ("config", ("jaxinfer.bounds", "jaxinfer.engine_config", "jaxinfer.models.config",
+                "jaxinfer.models.gpt_config", "jaxinfer.models.moe_config", "jaxinfer.outputs",
+                "jaxinfer.sampling_params", "jaxinfer.errors", "jaxinfer.host_memory",
+                "jaxinfer.sharding", "jaxinfer.untrusted_json")),
+    # the one module per op that chooses its kernel
+    ("ops", ("jaxinfer.matmul", "jaxinfer.reductions", "jaxinfer.attention.dispatch")),
+    ("models", ("jaxinfer.models.*", "jaxinfer.loading.*", "jaxinfer.quantization", "jaxinfer.attention.*")),
+    ("engine", ("jaxinfer.engine.*",)),
+    # what a user or serving/ starts from: the package's names, CLI flags, bench, the references
+    ("front", ("jaxinfer", "jaxinfer.engine_args", "jaxinfer.bench.*", "jaxinfer.reference",
+               "jaxinfer.quality")),
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -106,6 +129,27 @@ def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             if rank[b.split(".")[0]] < rank[a.split(".")[0]]}
 
 
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """Index in ``layers`` of the longest entry naming ``module``; None: no entry does."""
+    best: tuple[int, int] | None = None
+    for i, (_, entries) in enumerate(layers):
+        for e in entries:
+            pkg = e.removesuffix(".*")
+            if (module == pkg or e.endswith(".*") and module.startswith(pkg + ".")) and \
+                    (best is None or len(pkg) > best[1]):
+                best = (i, len(pkg))
+    return None if best is None else best[0]
+
+
+def layer_violations(graph: dict[str, set[str]], layers=LAYERS) -> set[tuple[str, str]]:
+    """(importer, imported) jaxinfer/ modules where the imported one stands in a higher layer."""
+    def rank(m: str) -> int:
+        r = layer_of(m, layers)
+        return len(layers) if r is None else r
+    return {(a, b) for a, bs in graph.items() if a.split(".")[0] == "jaxinfer"
+            for b in bs if b.split(".")[0] == "jaxinfer" and rank(b) > rank(a)}
+
+
 def test_the_graph_sees_function_local_and_relative_imports():
     g = import_graph()
     assert "jaxinfer.engine.engine" in g and "jaxinfer.engine_config" in g["jaxinfer.engine.engine"]
@@ -132,8 +176,31 @@ def test_packages_import_in_one_direction():
     assert not gone, f"these edges are gone: delete them from KNOWN_UPWARD_EDGES: {sorted(gone)}"
 
 
+def test_every_jaxinfer_module_has_a_layer():
+    unplaced = sorted(m for m in import_graph() if m.split(".")[0] == "jaxinfer" and layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_jaxinfer_imports_down_its_layers():
+    found = layer_violations(import_graph())
+    names = {i: name for i, (name, _) in enumerate(LAYERS)}
+    assert not found, "imports against " + " < ".join(names.values()) + " (move the piece down):\n" + \
+        "\n".join(f"{a} ({names.get(layer_of(a))}) -> {b} ({names.get(layer_of(b))})" for a, b in sorted(found))
+
+
+def test_the_layer_rule_can_fail():
+    layers = (("low", ("jaxinfer.a", "jaxinfer.b.*")), ("high", ("jaxinfer.b.c", "jaxinfer")))
+    mods = ("jaxinfer.a", "jaxinfer.b", "jaxinfer.b.x", "jaxinfer.b.c", "jaxinfer", "jaxinfer.q")
+    assert [layer_of(m, layers) for m in mods] == [0, 0, 0, 1, 1, None]
+    graph = {"jaxinfer.a": {"jaxinfer.b.x"}, "jaxinfer.b.x": {"jaxinfer.b.c", "pallas_kernels.k"},
+             "jaxinfer.b.c": {"jaxinfer.a"}, "jaxinfer": {"jaxinfer.b.c", "jaxinfer.q"}}
+    assert layer_violations(graph, layers) == {("jaxinfer.b.x", "jaxinfer.b.c"), ("jaxinfer", "jaxinfer.q")}
+
+
 if __name__ == "__main__":
     for c in sorted(cycles(import_graph())):
         print("cycle:", " <-> ".join(c))
     for e in sorted(upward_edges(import_graph())):
         print("upward:", *e)
+    for e in sorted(layer_violations(import_graph())):
+        print("against the layers:", *e)

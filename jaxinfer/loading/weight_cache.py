@@ -105,7 +105,7 @@ def _code_digest() -> bytes:
 
     top, kernels = Path(__file__).resolve().parents[1], Path(pallas_kernels.__file__).parent
     files = [*sorted((top / "loading").glob("*.py")), *sorted((top / "models").glob("*.py")),
-             top / "quantization.py", top / "config.py",
+             top / "quantization.py",
              *(kernels / m for m in ("f32_matmul/cpu.py", "quantized_matmul/cpu.py", "quantized_matmul/xla.py",
                                      # the codes and the kernel's dequantization that they reproduce
                                      "f32_matmul/codes.py", "f32_matmul/f32_matmul.cc"))]

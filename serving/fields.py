@@ -61,7 +61,7 @@ class Fields:
 
     def int(self, key: str, default: int | None = None, lo: int | None = None,
             hi: int | None = None, bound: Any = None) -> int | None:
-        """``bound``: a config.Bound giving lo and hi (the field's one declared range)."""
+        """``bound``: a jaxinfer.bounds.Bound giving lo and hi (the field's one declared range)."""
         if bound is not None:
             lo, hi = bound.lo, bound.hi
         v = self.d.get(key)

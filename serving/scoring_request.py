@@ -5,7 +5,7 @@
 ``watermark: true``; the same field, or ``{"gamma": g, "delta": d}``, on OpenAI routes).
 
 Each parser returns ``SamplingParams`` keywords (only those that are set); the engine
-validates the combinations (config.SamplingParams), and its messages come back as 400 /
+validates the combinations (jaxinfer/sampling_params.py), and its messages come back as 400 /
 422 naming the field. The responses' shapes are serving/scoring_response.py.
 """
 

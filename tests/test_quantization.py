@@ -45,7 +45,7 @@ def test_quantized_engine_equals_reference_on_the_same_weights(tiny, mode):
     st = eng.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
     assert st["kv_cache_dtype"] == "float32"
-    # by default quantized weights come with int8 KV pages (config.kv_cache_dtype); on
+    # by default quantized weights come with int8 KV pages (engine_config.kv_cache_dtype); on
     # this model their tokens are the float pages' (asserted for int8 pages alone below)
     default = Engine(loaded=tiny, progress=False, quantization=mode, **ENGINE_KW)
     assert default.stats()["kv_cache_dtype"] == "int8"
@@ -227,7 +227,7 @@ def test_kv_cache_dtype_errors():
 
 def test_kv_cache_dtype_auto_follows_the_weights():
     """"auto" (None) stores int8 pages exactly when the weights are quantized and nothing
-    speculates; "model" and "int8" are what they say (config.kv_cache_dtype)."""
+    speculates; "model" and "int8" are what they say (engine_config.kv_cache_dtype)."""
     from jaxinfer.engine_config import kv_cache_dtype
 
     for q in (None, "int8", "int4"):

@@ -2,7 +2,7 @@
 
 1. ``serving/app.py`` routes the request; ``serving/protocol.py`` (and ``guided_protocol``,
    ``tools``) reads the JSON body into a ``GenRequest``: prompt, ``SamplingParams``
-   (``jaxinfer/config.py`` validates every field), and how to render the answer.
+   (``jaxinfer/sampling_params.py`` validates every field), and how to render the answer.
 2. ``engine/async_engine.py`` tokenizes (chat template included) in a worker thread and
    posts "add" to the engine thread's inbox; the engine thread runs ``Engine.step`` in a
    loop and hands each request its deltas through an asyncio queue.

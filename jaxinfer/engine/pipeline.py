@@ -23,7 +23,7 @@ its sequence wrote at earlier ticks of the same stage, and its micro-batch's own
 every matmul is row-invariant, so a request's tokens and logprobs are the single-device
 engine's bits (tests/test_pipeline.py).
 
-Not combined (refused with the reason by config.py / ``check``): LoRA, quantized weights,
+Not combined (refused with the reason by engine_config.py / ``check``): LoRA, quantized weights,
 multi-step decode, the host KV tier, families whose forward is not the Llama one (the
 GPT-style families), and models whose layers differ between stages (a layer pattern that
 the stage length does not repeat).

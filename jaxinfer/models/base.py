@@ -143,7 +143,7 @@ def flat_params(model: nnx.Module) -> dict[str, jax.Array]:
 
 def fit_context(model: nnx.Module, max_model_len: int) -> nnx.Module:
     """``model`` set up for sequences of up to ``max_model_len`` tokens, once per engine:
-    longrope (config.RopeScaling) takes its long factors when max_model_len exceeds the
+    longrope (models/config.RopeScaling) takes its long factors when max_model_len exceeds the
     model's original_max_position_embeddings, else its short ones, for every token alike
     (a token's rotation may not depend on its neighbours or on how long its sequence grew).
     Otherwise (and when nothing changes) the module itself; else a new module sharing its

@@ -52,7 +52,7 @@ def rope_inv_freq(cfg: ModelConfig, dim: int | None = None, layer: int = 0) -> n
         return inv
     if rs.rope_type == "linear":
         return (inv / np.float32(rs.factor)).astype(np.float32)
-    if rs.rope_type == "longrope":   # per-frequency divisors (config.RopeScaling)
+    if rs.rope_type == "longrope":   # per-frequency divisors (models/config.RopeScaling)
         shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
         return (1.0 / (np.asarray(rs.ext_factors, np.float32) * (np.float32(theta) ** shape))).astype(np.float32)
     # llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
@@ -170,7 +170,7 @@ def local_heads(values: np.ndarray, axis: str | None) -> jax.Array:
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
-    """The MLP activation by its HF name (config.ACTIVATIONS)."""
+    """The MLP activation by its HF name (models/config.ACTIVATIONS)."""
     if name == "silu":
         return jax.nn.silu(x)
     if name == "gelu":

@@ -6,7 +6,7 @@ What differs from the Llama family, each a config field or a weight-table entry:
   CPU kernels' fused layouts and tensor parallelism see Llama's separate weights;
 * ``sliding_window`` from its config (every layer), ``partial_rotary_factor`` (rotary on
   the first features of each head);
-* longrope rotary scaling (config.RopeScaling): short / long per-frequency factors and an
+* longrope rotary scaling (models/config.RopeScaling): short / long per-frequency factors and an
   attention factor on cos / sin; which factor set applies is chosen once per engine from
   its max_model_len (models/base.fit_context), not per forward as transformers does.
 """

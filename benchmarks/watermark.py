@@ -38,9 +38,9 @@ def main() -> int:
 
     import numpy as np
 
-    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.watermark import Watermark, detect, detect_text
+    from jaxinfer.engine.watermark import detect, detect_text
+    from jaxinfer.sampling_params import SamplingParams, Watermark
 
     wm_kw = {k: v for k, v in (("gamma", args.gamma), ("delta", args.delta)) if v is not None}
     mark = Watermark(**wm_kw)

@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Any
 
-from jaxinfer.engine.watermark import DEFAULT_GAMMA
 from jaxinfer.engine_args import (add_engine_args, add_model_args, add_sampling_args, engine_config,
                                   init_distributed, sampling_params)
+from jaxinfer.sampling_params import DEFAULT_GAMMA
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

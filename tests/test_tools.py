@@ -58,7 +58,8 @@ def test_parse_qwen_and_smollm_formats():
 def test_call_grammar_accepts_only_allowed_calls():
     import llguidance
 
-    from jaxinfer.engine.guided import GuidedDecoding, grammar_text
+    from jaxinfer.engine.guided import grammar_text
+    from jaxinfer.sampling_params import GuidedDecoding
 
     g = grammar_text(GuidedDecoding.parse(T.call_grammar(spec({"type": "function", "function": {"name": "get_weather"}}))))
     assert llguidance.LLMatcher.validate_grammar(g) == ""
@@ -127,7 +128,8 @@ def test_stream_auto_content_flows_and_calls_come_as_deltas():
 def test_gbnf_grammars_are_converted():
     import llguidance
 
-    from jaxinfer.engine.guided import GuidedDecoding, grammar_text
+    from jaxinfer.engine.guided import grammar_text
+    from jaxinfer.sampling_params import GuidedDecoding
 
     g = grammar_text(GuidedDecoding.parse({"grammar": 'root ::= "yes" | "no" ws\nws ::= [ ]*'}))
     assert llguidance.LLMatcher.validate_grammar(g) == ""

@@ -83,7 +83,7 @@ class EngineConfig:
     # KV pages: "int8" = int8 values + an f32 scale per token and KV head
     # (engine/kv_cache.py QuantizedPages); "model" = the model's dtype; None ("auto") = int8
     # when the weights are quantized and nothing speculates, else the model's dtype
-    # (``kv_cache_dtype`` above: why).
+    # (``kv_cache_dtype`` below: why).
     kv_cache_dtype: str | None = None
     # Multi-step decode (vLLM's num_scheduler_steps): when every running sequence is
     # decoding and nobody waits for admission, run up to this many decode steps in one

@@ -1,6 +1,9 @@
 """Every weight matmul ``x [T, K] @ w [K, N]`` is routed here: by backend, weight dtype,
 packing and quantization, plain or batch-invariant. Models call their projections through
-the ``mm`` hook that ``select`` returns; kernels live in ``pallas_kernels/``.
+the ``mm`` hook that ``select`` returns; ``name`` says what runs (Engine.kernels); kernels
+live in ``pallas_kernels/``. One of the ops layer's three routers, with attention/dispatch.py
+and reductions.py: the rest of jaxinfer reaches kernels through them (tests/test_imports.py,
+whose list of known exceptions, the weight formats' imports, can only shrink).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 // Why not xla/ffi/api/ffi.h: that header's generic binding machinery (and the <iostream>,
 // <variant>, <string> ... it pulls in) is ~2.5 s of parsing and ~1.5 s of code generation
 // per kernel file, most of the ~25 CPU seconds the four kernels took to build on a fresh
-// machine, where they compete with loading the model for two cores (RESULTS.md, "Start-up").
+// machine, where they compete with loading the model for two cores (benchmarks/RESULTS.md,
+// "Start-up").
 // What the kernels need is small: typed buffers, a variable tail of buffers, scalar
 // attributes, XLA's intra-op thread pool and an error. The types below mirror the names of
 // ffi.h's (Buffer<F32>, ResultBuffer, AnyBuffer, RemainingArgs, ThreadPool, Error) so the

@@ -1,4 +1,5 @@
-// Work sharing for the C++ CPU kernels (int8_matmul.cc, f32_matmul.cc, paged_attention.cc).
+// Work sharing for the C++ CPU kernels (quantized_matmul/int8_matmul.cc,
+// f32_matmul/f32_matmul.cc, attention/paged_attention.cc).
 //
 // A call's work is cut into units that the calling thread and up to num_threads - 1 of
 // XLA's intra-op pool threads claim from one atomic counter: no thread waits for a task

@@ -9,7 +9,10 @@ the lists can only shrink (delete an entry when its cycle is broken).
 
 Inside jaxinfer/ the modules stand in layers (issue 52: LAYERS): config records <
 ops < models and loading < engine < the front (the package, CLI flags, bench). A module
-imports only from its own layer and those below, with no exceptions.
+imports only from its own layer and those below, with no exceptions. An op's kernel in
+pallas_kernels/ is imported only by the ops layer, where each op's implementation is chosen
+in one place (what else imports one today is listed in KNOWN_KERNEL_IMPORTS, which can only
+shrink as well).
 """
 
 from __future__ import annotations
@@ -43,6 +46,28 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("front", ("jaxinfer", "jaxinfer.engine_args", "jaxinfer.bench.*", "jaxinfer.reference",
                "jaxinfer.quality")),
 )
+
+# The ops layer: the one module per op that chooses its implementation (``select`` /
+# ``name``): weight matmuls, attention (the layer loop's forms and KV writes included),
+# row sums. Everything else reaches a kernel through it.
+OPS_LAYER = set(dict(LAYERS)["ops"])
+# pallas_kernels modules that are no op's implementation, open to every module: the package
+# itself, building the C++ kernels, the layer-indexed kernels' operand form (Stacked), and
+# the KV pool's untouched allocation (a choice of content the KV cache makes, not of an op).
+NOT_OPS = {"pallas_kernels", "pallas_kernels.cpu_build", "pallas_kernels.layer_stack",
+           "pallas_kernels.alloc.cpu"}
+# Kernel imports outside the ops layer that exist today, as (importer, kernel module): the
+# weight formats and their packing, read straight from the matmul kernels' modules.
+KNOWN_KERNEL_IMPORTS: set[tuple[str, str]] = {
+    ("jaxinfer.loading.prepared", "pallas_kernels.f32_matmul.cpu"),
+    ("jaxinfer.loading.prepared", "pallas_kernels.quantized_matmul.cpu"),
+    ("jaxinfer.loading.weight_cache", "pallas_kernels.f32_matmul.cpu"),
+    ("jaxinfer.loading.weight_cache", "pallas_kernels.quantized_matmul.xla"),
+    ("jaxinfer.quantization", "pallas_kernels.f32_matmul.codes"),
+    ("jaxinfer.quantization", "pallas_kernels.f32_matmul.cpu"),
+    ("jaxinfer.quantization", "pallas_kernels.quantized_matmul.cpu"),
+    ("jaxinfer.quantization", "pallas_kernels.quantized_matmul.xla"),
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -150,6 +175,14 @@ def layer_violations(graph: dict[str, set[str]], layers=LAYERS) -> set[tuple[str
             for b in bs if b.split(".")[0] == "jaxinfer" and rank(b) > rank(a)}
 
 
+def kernel_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, kernel module) for every import of an op's kernel from outside
+    pallas_kernels and the ops layer."""
+    return {(a, b) for a, bs in graph.items() for b in bs
+            if b.split(".")[0] == "pallas_kernels" and b not in NOT_OPS
+            and a.split(".")[0] != "pallas_kernels" and a not in OPS_LAYER}
+
+
 def test_the_graph_sees_function_local_and_relative_imports():
     g = import_graph()
     assert "jaxinfer.engine.engine" in g and "jaxinfer.engine_config" in g["jaxinfer.engine.engine"]
@@ -197,6 +230,25 @@ def test_the_layer_rule_can_fail():
     assert layer_violations(graph, layers) == {("jaxinfer.b.x", "jaxinfer.b.c"), ("jaxinfer", "jaxinfer.q")}
 
 
+def test_only_the_ops_layer_imports_a_kernel():
+    found = kernel_imports(import_graph())
+    new = found - KNOWN_KERNEL_IMPORTS
+    assert not new, "kernels imported outside the ops layer (go through " + \
+        ", ".join(sorted(OPS_LAYER)) + "):\n" + "\n".join(f"{a} -> {b}" for a, b in sorted(new))
+    gone = KNOWN_KERNEL_IMPORTS - found
+    assert not gone, f"these imports are gone: delete them from KNOWN_KERNEL_IMPORTS: {sorted(gone)}"
+
+
+def test_the_ops_layer_rule_reads_imports_as_kernels_or_not():
+    graph = {"jaxinfer.engine.x": {"pallas_kernels.attention.cpu", "pallas_kernels.layer_stack"},
+             "jaxinfer.matmul": {"pallas_kernels.f32_matmul.cpu"},
+             "pallas_kernels.attention.cpu": {"pallas_kernels.attention.xla"},
+             "serving.y": {"pallas_kernels.row_sum.cpu", "jaxinfer.reductions"}}
+    assert kernel_imports(graph) == {("jaxinfer.engine.x", "pallas_kernels.attention.cpu"),
+                                     ("serving.y", "pallas_kernels.row_sum.cpu")}
+    assert OPS_LAYER <= set(import_graph())     # the ops layer's modules exist
+
+
 if __name__ == "__main__":
     for c in sorted(cycles(import_graph())):
         print("cycle:", " <-> ".join(c))
@@ -204,3 +256,5 @@ if __name__ == "__main__":
         print("upward:", *e)
     for e in sorted(layer_violations(import_graph())):
         print("against the layers:", *e)
+    for e in sorted(kernel_imports(import_graph())):
+        print("kernel outside the ops layer:", *e)

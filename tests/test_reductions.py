@@ -88,14 +88,15 @@ def _kernel():
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 77, 576, 640, 1001, 49152])
 def test_kernel_row_sum_is_the_jnp_fold_bit_for_bit(n):
     """row_sum on CPU runs the C++ fold (one custom call instead of ~40 HLO ops): the same
-    IEEE adds as row_sum_tree, so the same bits, negative zeros and vmap included."""
-    from jaxinfer.reductions import row_sum_tree
+    IEEE adds as the jnp fold beside it (xla.py, its reference), so the same bits, negative
+    zeros and vmap included."""
+    from pallas_kernels.row_sum import xla as reference
 
     C = _kernel()
     x = np.random.default_rng(n).normal(size=(2, 3, n)).astype(np.float32)
     x[0, 0, :] = -0.0                                  # -0 + 0 padding is +0 in both
     got = np.asarray(jax.jit(C.row_sum)(x))
-    want = np.asarray(jax.jit(row_sum_tree)(x))
+    want = np.asarray(jax.jit(reference.row_sum)(x))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     np.testing.assert_array_equal(np.asarray(jax.vmap(C.row_sum)(x)), want)
@@ -112,6 +113,44 @@ def test_kernel_sum_of_squares_rounds_each_square(n):
     squares = jax.jit(lambda a: a * a)(x)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: C.row_sum(a, squares=True))(x)),
                                   np.asarray(jax.jit(C.row_sum)(squares)))
+
+
+def _folded_by_hand(x: np.ndarray) -> np.float32:
+    """The order row_sum promises, one float32 add at a time: halves folded, x[i] + x[i + half],
+    an odd length padded with one 0."""
+    x = [np.float32(v) for v in x]
+    while len(x) > 1:
+        x += [np.float32(0)] * (len(x) % 2)
+        half = len(x) // 2
+        x = [np.float32(x[i] + x[i + half]) for i in range(half)]
+    return x[0]
+
+
+@pytest.mark.parametrize("row", [[1e8, 1, -1e8], [1e8, 3, -1e8, 1, 1e-3], [1, 2, 3, 4, 5, 6, 7]])
+def test_reference_and_kernel_sum_in_the_promised_order(row):
+    """pallas_kernels/row_sum/xla.py, the kernel's reference, sums in the fold's order, not
+    another (left to right, [1e8, 1, -1e8] would be 0, not 1), and so does the kernel."""
+    from pallas_kernels.row_sum import xla as reference
+
+    x = np.asarray([row, row[::-1]], np.float32)
+    want = [_folded_by_hand(r) for r in x]
+    np.testing.assert_array_equal(np.asarray(jax.jit(reference.row_sum)(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_kernel().row_sum)(x)), want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 576, 577, 49152])
+def test_kernel_sum_of_squares_is_the_reference_fold_of_the_squares(n):
+    """The squares entry against the reference: its fold of the squares computed first
+    (a square joined to the next add by an FMA would be other bits), as its own
+    ``squares=True`` does run op by op, outside jit."""
+    from pallas_kernels.row_sum import xla as reference
+
+    C = _kernel()
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(2, 5, n)).astype(np.float32))
+    squares = jax.jit(lambda a: a * a)(x)
+    got = np.asarray(jax.jit(lambda a: C.row_sum(a, squares=True))(x))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(reference.row_sum)(squares)))
+    np.testing.assert_array_equal(got, np.asarray(reference.row_sum(x, squares=True)))
 
 
 def test_rms_norm_without_the_kernel_is_batch_invariant_too(monkeypatch):

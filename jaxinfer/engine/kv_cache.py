@@ -275,13 +275,17 @@ def write_kv_layer(k_pages: Any, v_pages: Any, k_new: jax.Array, v_new: jax.Arra
                    slot_mapping: jax.Array, layer: jax.Array) -> tuple[Any, Any]:
     """``write_kv`` into layer ``layer``'s pages out of every layer's (the layer loop's form,
     models/layer_loop.py: lists over layers, or each side one ``layer_stack.Stacked``): the
-    C++ kernel writes in place, every array aliased in -> out. int8 pages get exactly
-    ``_write_quantized``'s contents (the rows quantized here by ``quantize_kv``, then copied)."""
-    from pallas_kernels.attention import cpu as cpu_attention
+    kernel that attention/dispatch.py chooses writes in place, every array aliased in -> out.
+    int8 pages get exactly ``_write_quantized``'s contents (the rows quantized here by
+    ``quantize_kv``, then copied)."""
+    from jaxinfer.attention import dispatch
     from pallas_kernels.layer_stack import Stacked, first_layer
 
     if not isinstance(first_layer(k_pages), QuantizedPages):
-        return cpu_attention.write_kv_layer(k_pages, v_pages, k_new, v_new, slot_mapping, layer)
+        rows = [k_new.astype(jnp.float32), v_new.astype(jnp.float32)]
+        ks, vs = dispatch.write_rows_layer([k_pages, v_pages], rows, slot_mapping, layer)
+        return ks, vs
+
     def part(pages: Any, field: str) -> Any:        # every layer's q (or scale), in the form given
         if isinstance(pages, Stacked):
             return Stacked(getattr(pages.value, field))
@@ -293,7 +297,7 @@ def write_kv_layer(k_pages: Any, v_pages: Any, k_new: jax.Array, v_new: jax.Arra
         return [QuantizedPages(a, b) for a, b in zip(q, scale)]
 
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
-    kq_p, vq_p, ks_p, vs_p = cpu_attention.write_rows_layer(
+    kq_p, vq_p, ks_p, vs_p = dispatch.write_rows_layer(
         [part(k_pages, "q"), part(v_pages, "q"), part(k_pages, "scale"), part(v_pages, "scale")],
         [kq, vq, ks, vs], slot_mapping, layer)
     return join(kq_p, ks_p), join(vq_p, vs_p)

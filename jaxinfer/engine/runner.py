@@ -65,14 +65,12 @@ def paged_attention_fn(attention: Callable, bucket: Bucket, slot_mapping, kv_len
 
     if layer_loop:
         # The layer loop's form (models/layer_loop.py): ``cache`` is (every layer's K pages,
-        # every layer's V pages) and ``layer`` a traced index; the C++ kernels' indexed
-        # forms write and read that layer's pages in place. Uniform attention options
-        # (layer_loop.plan checks), so layer 0's.
-        from pallas_kernels.attention import cpu as cpu_attention
-
+        # every layer's V pages) and ``layer`` a traced index; the indexed forms
+        # (attention/dispatch.py) write and read that layer's pages in place. Uniform
+        # attention options (layer_loop.plan checks), so layer 0's.
         def attn_loop(layer, q, k, v, cache):
             ks, vs = kvc.write_kv_layer(cache[0], cache[1], k, v, slot_mapping, layer)
-            o = cpu_attention.ragged_paged_attention_layer(
+            o = dispatch.ragged_paged_attention_layer(
                 q, ks, vs, layer, kv_lens, q_lens, page_table, num_decode=bucket.num_decode,
                 prefill_chunk=bucket.prefill_chunk, **cfg.attention_kwargs(0), **extra)
             return o, (ks, vs)
@@ -314,8 +312,8 @@ class ModelRunner:
         # EngineConfig.layer_loop: the C++ paged attention (float32 or int8 pages),
         # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
         # (models/layer_loop.py)
-        self.layer_loop = bool(layer_loop and self.attention_name == "cpp" and not pipelined and lora is None
-                               and not offload_layers)
+        self.layer_loop = bool(layer_loop and dispatch.can_index(self.attention_name) and not pipelined
+                               and lora is None and not offload_layers)
         stacks = None
         if self.layer_loop:
             body_opts["layer_loop"] = True

@@ -6,7 +6,7 @@
 // output buffer from malloc, which maps fresh zero pages for it; this handler returns
 // without touching them, so a page of the pool becomes resident only when a step first
 // writes KV into it. The content is unspecified (zeros, or whatever a reused heap block
-// held): the paged cache never reads a slot it has not written (engine/kv_cache.py).
+// held): the paged cache never reads a slot it has not written (jaxinfer/engine/kv_cache.py).
 #include "ffi_lite.h"
 
 // Nothing to decode but the count: one result, written by nobody.

@@ -1,4 +1,4 @@
-"""The CPU ragged paged attention: a C++ kernel (cpu/paged_attention.cc) called through jax.ffi.
+"""The CPU ragged paged attention: a C++ kernel (paged_attention.cc) called through jax.ffi.
 
 Same signature and meaning as ``pallas_kernels.attention.xla.ragged_paged_attention`` (the step
 layout of engine/batch.py: ``num_decode`` one-token slots, then slots of ``prefill_chunk``
@@ -12,7 +12,7 @@ holding their dequantized values. Each
 row (see the .cc header), so it is bitwise batch-invariant by construction.
 
 Built on first use by pallas_kernels/cpu_build.py; without a compiler ``available()`` is
-False and attention/dispatch.py keeps the jnp path.
+False and jaxinfer/attention/dispatch.py keeps the jnp path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-// Ragged paged attention for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_attention.py).
+// Ragged paged attention for XLA:CPU, called through jax.ffi (pallas_kernels/attention/cpu.py).
 //
-// The same step layout and meaning as jaxinfer/attention/xla.py::ragged_paged_attention:
+// The same step layout and meaning as pallas_kernels/attention/xla.py::ragged_paged_attention:
 // q [T, H, D] holds `num_decode` one-token slots, then slots of `prefill_chunk` rows;
 // slot s's query j sits at position kv_lens[s] - q_lens[s] + j and attends to KV
 // positions [lo, pos] (lo = pos - sliding_window + 1 with a window, else 0) of its pages
@@ -23,10 +23,11 @@
 // prefill) or the chunking of a prompt. (The numbers differ slightly from xla.py's
 // blocked online softmax, so the engine uses one or the other, never both in one run.)
 //
-// KV pages float32, or int8 with one f32 scale per token and KV head (engine/kv_cache.py
-// QuantizedPages): a unit first dequantizes the rows it reads, x = float(q) * scale (one
-// rounding, as QuantizedPages.dequantize), into its thread's buffer, then runs the same
-// code: int8 pages give exactly the bits float32 pages holding the dequantized values give.
+// KV pages float32, or int8 with one f32 scale per token and KV head
+// (jaxinfer/engine/kv_cache.py QuantizedPages): a unit first dequantizes the rows it reads,
+// x = float(q) * scale (one rounding, as QuantizedPages.dequantize), into its thread's
+// buffer, then runs the same code: int8 pages give exactly the bits float32 pages holding
+// the dequantized values give.
 //
 // x86-64 with AVX2 and FMA only (built with -mno-avx512f).
 
@@ -376,8 +377,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Pa
 
 // The layer loop's forms (benchmarks/layer_loop_probe.py): every layer's pages of a kind
 // (K, V; int8: Kq, Vq, Ks, Vs) come either as L operands K_0 .. K_{L-1} or as one stacked
-// [L, N, ...] operand (engine/kv_cache.py StackedKV: one operand instead of L, so XLA's
-// loop carries a handful of buffers), and a traced layer index picks layer l by pointer
+// [L, N, ...] operand (jaxinfer/engine/kv_cache.py StackedKV: one operand instead of L, so
+// XLA's loop carries a handful of buffers), and a traced layer index picks layer l by pointer
 // (ffi_lite.h RemainingArgs::layer), so inside lax.fori_loop no page array is sliced or copied.
 ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
@@ -405,10 +406,10 @@ ffi::Error AttentionLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 // This step's K/V rows into layer ``layer``'s pages, in place: operands layer i32[1],
 // slots i32[T] (page * page_size + offset), then the new rows and every layer's pages:
 // float32: k_new, v_new [T, KVH, D], then K and V pages [N, page_size, KVH, D] (L operands
-// each, or one stacked [L, N, ...]); int8 (engine/kv_cache.py QuantizedPages, quantized by
-// the caller): kq_new, vq_new s8[T, KVH, D], ks_new, vs_new f32[T, KVH], then Kq, Vq, Ks, Vs
-// (scales [N, page_size, KVH]). Results: the same page arrays, each aliased to its operand
-// (the caller's input_output_aliases), so only the chosen layer's rows change.
+// each, or one stacked [L, N, ...]); int8 (jaxinfer/engine/kv_cache.py QuantizedPages,
+// quantized by the caller): kq_new, vq_new s8[T, KVH, D], ks_new, vs_new f32[T, KVH], then
+// Kq, Vq, Ks, Vs (scales [N, page_size, KVH]). Results: the same page arrays, each aliased
+// to its operand (the caller's input_output_aliases), so only the chosen layer's rows change.
 ffi::Error KvWriteLayerImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                             ffi::RemainingArgs rest, ffi::RemainingRets outs) {
   const auto first = rest.get<ffi::AnyBuffer>(0);

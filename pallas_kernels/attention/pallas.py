@@ -14,7 +14,8 @@ values int8 [N, page_size, KVH, D] and one f32 scale per token and KV head): the
 move only the int8 values and the scales (the TPU kernel DMAs both per page; the GPU
 kernel gathers both) and dequantize on chip, in f32, before the dots.
 
-Entry points (for attention/dispatch.py; all take the XLA signature plus ``interpret``):
+Entry points (for jaxinfer/attention/dispatch.py; all take the XLA signature plus
+``interpret``):
 
 * ``ragged_paged_attention_tpu`` — Mosaic kernel: KV pages stay in HBM and are gathered
   page by page with async DMAs into a double-buffered VMEM block.

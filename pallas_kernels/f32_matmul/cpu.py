@@ -1,4 +1,4 @@
-"""The CPU float32 matmul: a C++ kernel (cpu/f32_matmul.cc) called through jax.ffi.
+"""The CPU float32 matmul: a C++ kernel (f32_matmul.cc) called through jax.ffi.
 
 XLA:CPU picks its dot kernel by the number of rows and each sums over K in its own order,
 so the batch-invariant engine had to run every dot in fixed 32-row tiles (slow at batch 1).

@@ -1,11 +1,12 @@
-// float32 matmul for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_f32_matmul.py).
+// float32 matmul for XLA:CPU, called through jax.ffi (pallas_kernels/f32_matmul/cpu.py).
 //
 //   y[m, n] = sum_k x[m, k] * w[k, n]      x f32 [M, K], w f32 [K, N] (row-major, as stored)
 //
 // Why it exists: XLA:CPU picks its dot kernel by M and each one sums over K in its own
 // order, so a token's logits depended on how many tokens shared its step; the engine's
-// batch-invariant mode therefore ran every dot in fixed 32-row tiles (layers.tiled_matmul),
-// which cost a third of batch-1 decode speed. Here every output is ONE k-ordered FMA chain,
+// batch-invariant mode therefore ran every dot in fixed 32-row tiles (jaxinfer/matmul.py
+// tiled_matmul), which cost a third of batch-1 decode speed. Here every output is ONE
+// k-ordered FMA chain,
 //
 //   acc = 0;  for k = 0 .. K-1:  acc = fma(x[m, k], w[k, n], acc);  y[m, n] = acc
 //
@@ -15,9 +16,9 @@
 // depends on its own row of x and the weights only, never on M, on the tile or thread that
 // computes it or on which rows share the call: bitwise batch-invariant by construction.
 //
-// w comes in its stored [K, N] layout or panel-major [N/16][K][16] (cpu_f32_matmul.panel,
+// w comes in its stored [K, N] layout or panel-major [N/16][K][16] (cpu.py panel,
 // what the engine's float models use: each 16-column panel one sequential stream), or
-// panel-major as codes (cpu_f32_matmul.CodedF32: a float32 weight whose values are exactly
+// panel-major as codes (cpu.py CodedF32: a float32 weight whose values are exactly
 // scale * code + offset per 32-row block of a column, e.g. dequantized from a GGUF's Q4_1 /
 // Q8_0 blocks): a unit first turns its panels back into those very floats (dequant_panels,
 // no FMA contraction) in a thread-local buffer, then runs the same tiles on it, so the
@@ -38,9 +39,10 @@
 //      runs, and x is read in place.
 //
 // Work is cut in units that the caller and XLA's intra-op thread pool claim from one
-// atomic counter (as in int8_matmul.cc): no thread waits for a task that has not started,
-// so concurrent calls cannot deadlock the pool. Each thread sets MXCSR to IEEE denormals
-// (no flush-to-zero) while it works, so an output cannot depend on which thread ran it.
+// atomic counter (as in quantized_matmul/int8_matmul.cc): no thread waits for a task that
+// has not started, so concurrent calls cannot deadlock the pool. Each thread sets MXCSR to
+// IEEE denormals (no flush-to-zero) while it works, so an output cannot depend on which
+// thread ran it.
 //
 // x86-64 with AVX2 and FMA only (the build passes -mno-avx512f); elsewhere the build fails
 // and the engine keeps XLA's path.
@@ -620,7 +622,7 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
-// w panel-major [N/16, K, 16] (cpu_f32_matmul.panel): the same FMA chains, no copies.
+// w panel-major [N/16, K, 16] (cpu.py panel): the same FMA chains, no copies.
 ffi::Error F32MatmulPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();

@@ -12,7 +12,7 @@ both the plain and the batch-invariant engine.
 The kernel is built on first use by pallas_kernels/cpu_build.py (the host's C++ compiler,
 cached by a hash of source, jax version, compiler and CPU flags). Without a compiler,
 ``available()`` is False with the reason in ``unavailable_reason()`` and the engine keeps
-the XLA path (attention/dispatch.py logs which one it took).
+the XLA path (jaxinfer/matmul.py logs which one it took).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ GROUP4 = 32  # 4-bit: K per scale and offset
 def pack(w: QuantizedWeight) -> QuantizedWeight:
     """An int8 weight in the kernel's packed layout, q int8 [N/32, K/2, 32, 2]: panels of
     32 columns, rows in adjacent pairs (the packed path: int16 activations, exact int32
-    block sums; see cpu/int8_matmul.cc). Weights with K % 64 or N % 32 stay plain [K, N]
+    block sums; see int8_matmul.cc). Weights with K % 64 or N % 32 stay plain [K, N]
     (the kernel's f32 path)."""
     if w.bits != 8:
         raise ValueError(f"pack: the CPU kernel takes int8 weights, got {w.bits}-bit")

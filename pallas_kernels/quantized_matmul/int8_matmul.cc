@@ -1,4 +1,5 @@
-// Weight-only int8 matmul for XLA:CPU, called through jax.ffi (pallas_kernels/cpu_matmul.py).
+// Weight-only int8 matmul for XLA:CPU, called through jax.ffi
+// (pallas_kernels/quantized_matmul/cpu.py).
 //
 //   y[m, n] = scale[n] * sum_k x[m, k] * q[k, n]      x f32 [M, K], q int8, scale f32 [N]
 //
@@ -7,7 +8,7 @@
 //
 // Two weight layouts, told apart by q's rank:
 //
-//  * packed, q int8 [N/32, K/2, 32, 2] (cpu_matmul.pack; K % 64 == 0, N % 32 == 0): column
+//  * packed, q int8 [N/32, K/2, 32, 2] (cpu.py pack; K % 64 == 0, N % 32 == 0): column
 //    panels of 32 whose rows come in pairs, (q[2j, n], q[2j+1, n]) adjacent. x is
 //    quantized per row and per block of 64 along K to int16 (scale max|x| / 32767), each
 //    block's dot is summed exactly in int32 (vpmaddwd: int8 weights widened to int16 times
@@ -175,11 +176,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs)
 //                                         float too), X = sum_k xq[k], xs the 64-block's scale
 // in group order: an output depends on its own row only (batch-invariant by construction).
 // Why: half the int8 bytes a weight, and a Q4_1 checkpoint's own codes: a "self" draft
-// (engine/spec_draft.py) then has the target's layer weights. int8 activations (one
+// (jaxinfer/engine/spec_draft.py) then has the target's layer weights. int8 activations (one
 // vpmaddubsw a vector) ran ~10% faster but a draft with them agreed with the target on ~93%
 // of tokens instead of ~98%; for one row, widening the codes to int16 for vpmaddwd cost
-// ~40% more instructions than these byte halves (RESULTS.md, "A 4-bit draft on a C++
-// kernel"); for 2-3 rows the widened codes are shared and win (packed4_wide).
+// ~40% more instructions than these byte halves (benchmarks/RESULTS.md, "A 4-bit draft on a
+// C++ kernel"); for 2-3 rows the widened codes are shared and win (packed4_wide).
 
 constexpr int kGroup4 = 32;       // 4-bit: K per scale / offset
 

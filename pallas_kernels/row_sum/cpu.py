@@ -1,9 +1,9 @@
-"""Row sums in jaxinfer/reductions.py's fixed pairwise order: a C++ kernel (row_sum.cc)
-called through jax.ffi, the same bits as the jnp fold as one custom call.
+"""Row sums in the fixed pairwise order of ``xla.py`` (its reference): a C++ kernel
+(row_sum.cc) called through jax.ffi, the same bits as that jnp fold as one custom call.
 
 Built on first use by pallas_kernels/cpu_build.py (first of all the kernels: the sampler,
 compiled first at start-up, needs it); without a compiler ``available()`` is False with
-the reason in ``unavailable_reason()`` and reductions.py keeps the jnp fold.
+the reason in ``unavailable_reason()`` and jaxinfer/reductions.py keeps the jnp fold.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ available, unavailable_reason, build = _KERNEL.available, _KERNEL.unavailable_re
 
 
 def row_sum(x: jax.Array, squares: bool = False) -> jax.Array:
-    """f32 [..., N] -> [...]: jaxinfer/reductions.row_sum's fixed pairwise fold as one
-    custom call (the same bits); ``squares``: of x * x, each square rounded (no FMA), without
+    """f32 [..., N] -> [...]: ``xla.row_sum``'s fixed pairwise fold as one custom call
+    (the same bits); ``squares``: of x * x, each square rounded (no FMA), without
     materializing x * x. Call ``available()`` first: it registers the kernel. Leading
     dimensions are rows, so a vmapped call just has more of them."""
     if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] < 1:

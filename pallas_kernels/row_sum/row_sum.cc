@@ -2,8 +2,8 @@
 // (pallas_kernels/row_sum/cpu.py; targets jaxinfer_row_sum, jaxinfer_row_sum_squares).
 //
 // A file of its own, not beside the f32 matmul: the sampler's log-softmax needs it, and a
-// first start compiles the sampler while the kernels build; in f32_matmul.cc it waited for
-// the largest source (~7 s of g++ on 2 cores), alone it builds in about a second.
+// first start compiles the sampler while the kernels build; in f32_matmul/f32_matmul.cc it
+// waited for the largest source (~7 s of g++ on 2 cores), alone it builds in about a second.
 //
 // The row is folded in halves, x[i] += x[i + half], an odd length first padded with one 0,
 // until one value is left: the same IEEE adds on the same operands as the jnp version,

@@ -137,13 +137,13 @@ def run_engine(loaded, variant: dict, prompts, n_new: int, flops: dict, ceiling:
 
     # Per-step bucket and time (dispatch to fetched result), for the breakdown. The engine
     # calls dispatch or dispatch_multi, then fetch, one step at a time on one replica.
-    def timed_dispatch(batch, t, *extra):
+    def timed_dispatch(batch, *rest):
         pending.append((batch, 1, time.perf_counter()))
-        return dispatch(batch, t, *extra)
+        return dispatch(batch, *rest)
 
-    def timed_dispatch_multi(batch, t, k):
-        pending.append((batch, k, time.perf_counter()))
-        return dispatch_multi(batch, t, k)
+    def timed_dispatch_multi(batch, *rest):
+        pending.append((batch, rest[-1], time.perf_counter()))
+        return dispatch_multi(batch, *rest)
 
     def timed_fetch(h):
         out = fetch(h)

@@ -1,4 +1,6 @@
-"""The batch builder: the ONLY place that pads. A scheduled step -> fixed-shape numpy arrays.
+"""The batch builder: the ONLY place that pads. A scheduled step -> every host array of
+the step (``build_step``), fixed-shape numpy: the model's inputs, the sampler's rows and the
+builder of the token mask.
 
 Layout of a step (what the compiled step and the attention expect):
 
@@ -9,6 +11,7 @@ Layout of a step (what the compiled step and the attention expect):
   tokens ``[num_decode + j*prefill_chunk, num_decode + (j+1)*prefill_chunk)`` and uses the
   first ``q_len`` of them.
 * ``max_pages`` page-table columns per slot.
+* ``sample_rows`` sampler rows (S' >= the slots): row i samples slot i's logits.
 
 A prefill chunk longer than the bucket's ``prefill_chunk`` fills several consecutive slots,
 one piece each (piece i: the chunk's tokens ``[i*prefill_chunk, (i+1)*prefill_chunk)``,
@@ -25,7 +28,19 @@ logits of every token position and scores each against ``score_targets``; only p
 buckets have such twins (``BucketLadders.score``), and a step uses one only when one of
 its chunks asks for prompt logprobs (a 1-token chunk that does then rides in a prefill
 slot, so the twin always exists).
-Host only: numpy, no jax (the batch is built while the device may still be busy).
+
+Padding: every array has its bucket's shape, and what no entry fills is padding, inert by
+construction. A padding token is token 0 at position 0, written into page 0 (the sink; token
+i at offset i % page_size), with penalty-state row PAD_ROW (a sink too), LoRA slot 0 (none)
+and no score (score_k -1); a padding slot has no query and no KV (q_len = kv_len = 0) and a
+page table of page 0. A sampler row no sampled slot fills is greedy without logprobs
+(sampler.PAD_TEMPERATURE) and allows every token (guided.empty_mask); past the slots its
+penalty-state row is PAD_ROW. Every array starts as its padding (``padded_arrays``,
+``sampler.sampling_tensors_from_params``, ``guided.build_mask``) and the entries are written
+over it.
+
+Host only: numpy; nothing here calls jax (a step is built while the device may still run
+the last one).
 """
 
 from __future__ import annotations
@@ -33,10 +48,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable, Mapping, Sequence as Seq
 
 import numpy as np
 
+from jaxinfer.engine import guided as G
+from jaxinfer.engine import sampler as S
 from jaxinfer.engine.scheduler import ScheduledSeq
 
 PAD_ROW = 0   # penalty-state row of padding slots (a sink, like KV page 0)
@@ -206,7 +223,9 @@ def default_ladders(max_num_seqs: int, max_model_len: int, page_size: int,
 
 @dataclass
 class StepBatch:
-    """Fixed-shape host arrays of one step plus the map back to sequences."""
+    """Every host array of one step, in its bucket's fixed shapes (``build_step``), plus
+    the map back to sequences: the model's inputs (``STEP_ARRAYS``), the sampler's rows
+    and the builder of the step's token mask."""
 
     bucket: Bucket
     tokens: np.ndarray          # i32[T]
@@ -221,88 +240,43 @@ class StepBatch:
     token_rows: np.ndarray      # i32[T]  penalty-state row of each token
     token_is_output: np.ndarray  # bool[T] token is a generated one (else prompt / padding)
     lora_slots: np.ndarray      # i32[T]  device LoRA slot of each token's adapter (0: none / padding)
-    entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
     # Scoring buckets (prompt logprobs): the token each position is scored against (the
     # next prompt token) and its top-k width (-1: not scored); ``scored`` maps rows back:
     # (entry, first row in T, first position, count) per run of scored positions.
-    score_targets: np.ndarray | None = None      # i32[T]
-    score_k: np.ndarray | None = None            # i32[T]
+    score_targets: np.ndarray   # i32[T]
+    score_k: np.ndarray         # i32[T]
+    # The sampler's S' rows (Bucket.sample_rows): row i samples slot i's logits.
+    sample_rows: np.ndarray     # i32[S'] penalty-state row of each sampler row
+    sampling: Any               # sampler.SamplingTensors of S' rows (numpy)
+    entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
     scored: list[tuple[ScheduledSeq, int, int, int]] = field(default_factory=list)
+    # Builds the step's sampler.TokenMask (guided.build_mask) when called; None: no sampled
+    # row is constrained (those steps pay nothing). The runner calls it once the forward
+    # is enqueued, so the host computes grammar masks while the device runs.
+    token_mask: Callable[[], Any] | None = None
 
 
 def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: int,
                rows_of: dict[int, int], lookahead: int = 0,
                ready: Callable[[Bucket], bool] | None = None,
-               lora_slot_of: dict[int, int] | None = None) -> StepBatch:
-    """``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
+               lora_slot_of: dict[int, int] | None = None,
+               requests: Mapping[str, Any] | None = None, vocab_size: int = 0) -> StepBatch:
+    """Every host array of the step that runs ``scheduled`` (the module doc: layout, padding).
+    ``rows_of``: seq_id -> penalty-state row (1..max_num_seqs) of each running sequence.
     ``lora_slot_of``: Sequence.lora_id -> its adapter's device slot (engine/lora.py); every
     sequence of the step with a lora_id must be in it.
     ``lookahead``: the page table also covers this many positions past each chunk (a
     multi-step decode writes them on the device; their pages are already allocated, except
     past a draft model's own proposals: engine/spec_draft.py).
-    ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose)."""
-    scoring = any(map(wants_scores, scheduled))
-    # a 1-token chunk that wants scores takes a prefill slot: only prefill buckets score
-    decodes = [e for e in scheduled if (e.num_new_tokens == 1 and not wants_scores(e)) or e.draft]
-    prefills = [e for e in scheduled if (e.num_new_tokens > 1 or wants_scores(e)) and not e.draft]
+    ``ready``: which buckets are compiled, while some still compile (BucketLadders.choose).
+    ``requests``: request id -> output.RequestState, whose seeds and constraints the sampler
+    rows take; None: every sampler row is padding (a draft model's steps take argmax
+    tokens). ``vocab_size``: the model's (the token mask's width)."""
+    decodes, prefills = _slot_kinds(scheduled)
     max_pages = max(-(-(e.start_pos + e.num_new_tokens + lookahead) // page_size) for e in scheduled)
     b = ladders.choose(sum(e.num_new_tokens for e in decodes), [e.num_new_tokens for e in prefills],
-                       max_pages, ready, scoring)
-    T, S, P = b.num_tokens, b.num_seqs, b.max_pages
-    tokens = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slot_mapping = np.zeros(T, np.int32) + np.arange(T, dtype=np.int32) % page_size
-    token_rows = np.zeros(T, np.int32)
-    token_is_output = np.zeros(T, bool)
-    lora_slots = np.zeros(T, np.int32)
-    kv_lens = np.zeros(S, np.int32)
-    q_lens = np.zeros(S, np.int32)
-    page_table = np.zeros((S, P), np.int32)
-    logits_index = np.zeros(S, np.int32)
-    rows = np.full(S, PAD_ROW, np.int32)
-    reset_rows = np.zeros(S, bool)
-    entries: list[tuple[int, ScheduledSeq]] = []
-    score_targets = np.zeros(T, np.int32)
-    score_k = np.full(T, -1, np.int32)
-    scored: list[tuple[ScheduledSeq, int, int, int]] = []
-
-    def place(slot: int, first_token: int, e: ScheduledSeq, pages: np.ndarray, start: int, n: int,
-              last: bool, token: int | None = None) -> None:
-        """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``;
-        ``pages``: the sequence's page ids as i32 (converted once per entry); ``token``:
-        a draft token fed at ``start`` (n = 1) instead of the sequence's own."""
-        seq = e.seq
-        end = start + n
-        sl = slice(first_token, first_token + n)
-        tokens[sl] = seq.token_ids_slice(start, end) if token is None else token
-        pos = np.arange(start, end, dtype=np.int32)
-        positions[sl] = pos
-        slot_mapping[sl] = pages[pos // page_size] * page_size + pos % page_size
-        row = rows_of[seq.seq_id]
-        # a draft token is not counted (it may be rejected; engine/speculative.py)
-        token_rows[sl] = row if token is None else PAD_ROW
-        token_is_output[sl] = pos >= seq.num_prompt_tokens
-        if seq.lora_id:
-            lora_slots[sl] = lora_slot_of[seq.lora_id]
-        kv_lens[slot], q_lens[slot] = end, n
-        # (a draft model's multi-step decode may look further ahead than a row's pages:
-        # those positions map to page 0, the sink)
-        covered = pages[:-(-(end + lookahead) // page_size)]
-        page_table[slot, :len(covered)] = covered
-        logits_index[slot] = first_token + n - 1
-        rows[slot] = row
-        reset_rows[slot] = start == 0     # the penalty row is cleared before any token is added
-        if last:
-            entries.append((slot, e))
-        # position p is scored against prompt token p + 1 (the prompt's last position
-        # predicts the first output token: that is the sampler's row, not a score)
-        k = seq.params.prompt_logprobs
-        n_scored = min(end, seq.num_prompt_tokens - 1) - start
-        if k is not None and n_scored > 0:
-            score_targets[first_token:first_token + n_scored] = seq.prompt_token_ids[start + 1:start + 1 + n_scored]
-            score_k[first_token:first_token + n_scored] = k
-            scored.append((e, first_token, start, n_scored))
-
+                       max_pages, ready, any(map(wants_scores, scheduled)))
+    w = _SlotWriter(b, page_size, rows_of, lookahead, lora_slot_of)
     # A speculating sequence takes 1 + len(draft) consecutive decode slots: slot j feeds
     # the token at start_pos + j (the last sampled one, then the draft) and attends to the
     # KV this step writes before it, so each slot's logits verify the next draft token.
@@ -310,18 +284,138 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
     for e in decodes:
         pages = np.asarray(e.seq.page_ids, np.int32)
         for j, tok in enumerate((None,) + e.draft):
-            place(slot, slot, e, pages, e.start_pos + j, 1, j == 0, tok)
+            w.place(slot, slot, e, pages, e.start_pos + j, 1, j == 0, tok)
             slot += 1
     slot, c = b.num_decode, b.prefill_chunk
     for e in prefills:
         pages, end = np.asarray(e.seq.page_ids, np.int32), e.start_pos + e.num_new_tokens
         for start in range(e.start_pos, end, c):
             n = min(c, end - start)
-            place(slot, b.num_decode + (slot - b.num_decode) * c, e, pages, start, n, start + n == end)
+            w.place(slot, b.num_decode + (slot - b.num_decode) * c, e, pages, start, n, start + n == end)
             slot += 1
-    return StepBatch(b, tokens, positions, slot_mapping, kv_lens, q_lens, page_table,
-                     logits_index, rows, reset_rows, token_rows, token_is_output, lora_slots, entries,
-                     score_targets, score_k, scored)
+    sample_rows = np.full(b.sample_rows, PAD_ROW, np.int32)
+    sample_rows[:b.num_seqs] = w.arrays["rows"]
+    return StepBatch(b, **w.arrays, sample_rows=sample_rows,
+                     sampling=sampling_rows(b.sample_rows, w.entries, requests),
+                     entries=w.entries, scored=w.scored,
+                     token_mask=token_mask(b.sample_rows, w.entries, requests, vocab_size))
+
+
+def _slot_kinds(scheduled: Seq[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+    """(decode slot entries, prefill slot entries): one query token, or a draft, decodes;
+    a 1-token chunk that wants scores takes a prefill slot (only prefill buckets score)."""
+    decodes = [e for e in scheduled if (e.num_new_tokens == 1 and not wants_scores(e)) or e.draft]
+    prefills = [e for e in scheduled if (e.num_new_tokens > 1 or wants_scores(e)) and not e.draft]
+    return decodes, prefills
+
+
+def padded_arrays(b: Bucket, page_size: int) -> dict[str, np.ndarray]:
+    """The model's inputs (STEP_ARRAYS) of a step in bucket ``b``, all padding."""
+    a = {k: np.zeros(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}
+    a["slot_mapping"] += np.arange(b.num_tokens, dtype=np.int32) % page_size
+    a["rows"][:] = a["token_rows"][:] = PAD_ROW
+    a["score_k"][:] = -1
+    return a
+
+
+class _SlotWriter:
+    """Writes a step's entries over its padded arrays, one slot at a time (``place``), and
+    keeps the map back: ``entries`` (slot, entry) and ``scored`` (StepBatch.scored)."""
+
+    def __init__(self, b: Bucket, page_size: int, rows_of: dict[int, int], lookahead: int,
+                 lora_slot_of: dict[int, int] | None):
+        self.arrays = padded_arrays(b, page_size)
+        self.page_size, self.rows_of = page_size, rows_of
+        self.lookahead, self.lora_slot_of = lookahead, lora_slot_of
+        self.entries: list[tuple[int, ScheduledSeq]] = []
+        self.scored: list[tuple[ScheduledSeq, int, int, int]] = []
+
+    def place(self, slot: int, first_token: int, e: ScheduledSeq, pages: np.ndarray, start: int, n: int,
+              last: bool, token: int | None = None) -> None:
+        """Tokens [start, start + n) of ``e`` (all of it, or one piece) into ``slot``;
+        ``pages``: the sequence's page ids as i32 (converted once per entry); ``token``:
+        a draft token fed at ``start`` (n = 1) instead of the sequence's own."""
+        a, seq, page_size = self.arrays, e.seq, self.page_size
+        end = start + n
+        sl = slice(first_token, first_token + n)
+        a["tokens"][sl] = seq.token_ids_slice(start, end) if token is None else token
+        pos = np.arange(start, end, dtype=np.int32)
+        a["positions"][sl] = pos
+        a["slot_mapping"][sl] = pages[pos // page_size] * page_size + pos % page_size
+        row = self.rows_of[seq.seq_id]
+        # a draft token is not counted (it may be rejected; engine/speculative.py)
+        a["token_rows"][sl] = row if token is None else PAD_ROW
+        a["token_is_output"][sl] = pos >= seq.num_prompt_tokens
+        if seq.lora_id:
+            a["lora_slots"][sl] = self.lora_slot_of[seq.lora_id]
+        a["kv_lens"][slot], a["q_lens"][slot] = end, n
+        # (a draft model's multi-step decode may look further ahead than a row's pages:
+        # those positions map to page 0, the sink)
+        covered = pages[:-(-(end + self.lookahead) // page_size)]
+        a["page_table"][slot, :len(covered)] = covered
+        a["logits_index"][slot] = first_token + n - 1
+        a["rows"][slot] = row
+        a["reset_rows"][slot] = start == 0     # the penalty row is cleared before any token is added
+        if last:
+            self.entries.append((slot, e))
+        self._score(e, first_token, start, end)
+
+    def _score(self, e: ScheduledSeq, first_token: int, start: int, end: int) -> None:
+        """Position p is scored against prompt token p + 1 (the prompt's last position
+        predicts the first output token: that is the sampler's row, not a score)."""
+        seq, k = e.seq, e.seq.params.prompt_logprobs
+        n_scored = min(end, seq.num_prompt_tokens - 1) - start
+        if k is not None and n_scored > 0:
+            span = slice(first_token, first_token + n_scored)
+            self.arrays["score_targets"][span] = seq.prompt_token_ids[start + 1:start + 1 + n_scored]
+            self.arrays["score_k"][span] = k
+            self.scored.append((e, first_token, start, n_scored))
+
+
+def sampling_rows(n: int, entries: Seq[tuple[int, ScheduledSeq]],
+                  requests: Mapping[str, Any] | None) -> S.SamplingTensors:
+    """The sampler's parameters of the step's ``n`` rows: each entry's sequence from its
+    slot on (a draft's slots sample output tokens j ahead, each after the token it feeds),
+    padding elsewhere; all padding without ``requests``. Takes the sequences' uncounted
+    tokens (``counts_add``: this step folds them into the penalty state)."""
+    if requests is None:
+        return S.sampling_tensors_from_params([], [], [], n)
+    params: list[Any] = [None] * n          # SamplingParams, None: padding
+    seeds, steps, prev = [0] * n, [0] * n, [0] * n
+    draft_before, counts_add = {}, {}       # penalties under speculation (engine/speculative.py)
+    for slot, e in entries:
+        seed = requests[e.seq.request_id].seeds[e.seq.sample_index]
+        end = e.start_pos + e.num_new_tokens - len(e.draft)
+        for j, fed in enumerate(e.seq.token_ids_slice(end - 1, end) + list(e.draft)):
+            params[slot + j], seeds[slot + j] = e.seq.params, seed
+            steps[slot + j] = e.seq.num_output_tokens + j
+            prev[slot + j] = fed               # the watermark's green list follows it
+            if j and e.seq.params.penalized:
+                draft_before[slot + j] = e.draft[:j]
+        if e.seq.uncounted_tokens:
+            counts_add[slot] = e.seq.uncounted_tokens
+            e.seq.uncounted_tokens = []
+    return S.sampling_tensors_from_params(params, seeds, steps, n, prev, draft_before, counts_add)
+
+
+def token_mask(n: int, entries: Seq[tuple[int, ScheduledSeq]], requests: Mapping[str, Any] | None,
+               vocab_size: int) -> Callable[[], S.TokenMask] | None:
+    """The builder of the step's TokenMask over ``n`` rows (StepBatch.token_mask), or None
+    when no sampled row is constrained. Which rows and what they follow is read now; the
+    mask itself is built when called."""
+    if requests is None:
+        return None
+    rows = [(slot, req.constraints[e.seq.sample_index], e.seq.output_token_ids, e.draft)
+            for slot, e in entries if e.samples
+            for req in (requests[e.seq.request_id],) if req.constraints]
+    if not rows:
+        return None
+
+    def build() -> S.TokenMask:
+        m = G.build_mask(n, vocab_size, rows)
+        return S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active)
+
+    return build
 
 
 def wants_scores(e: ScheduledSeq) -> bool:
@@ -331,8 +425,8 @@ def wants_scores(e: ScheduledSeq) -> bool:
 
 
 # The arrays the compiled step takes, the one list of them (the runner's abstract
-# arguments, multi-host replay and ``as_device_args`` read it): name -> (shape in terms of
-# the bucket's T tokens, S slots and P pages, dtype).
+# arguments, multi-host replay, ``padded_arrays`` and ``as_device_args`` read it): name ->
+# (shape in terms of the bucket's T tokens, S slots and P pages, dtype).
 STEP_ARRAYS: dict[str, tuple[str, type]] = {
     "tokens": ("T", np.int32), "positions": ("T", np.int32), "slot_mapping": ("T", np.int32),
     "kv_lens": ("S", np.int32), "q_lens": ("S", np.int32), "page_table": ("SP", np.int32),
@@ -352,3 +446,10 @@ def as_device_args(batch: StepBatch) -> dict[str, Any]:
     """The arrays the compiled step takes (names match the step's signature; the score
     arrays are unused outside scoring buckets, but one structure serves every step)."""
     return {k: getattr(batch, k) for k in STEP_ARRAYS}
+
+
+def step_args(batch: StepBatch) -> dict[str, Any]:
+    """The step's host arrays as a forward and its sampler take them (and multi-host
+    replay publishes them, engine/multihost.py): the model's inputs, the sampler's
+    parameters and its rows' penalty-state rows."""
+    return {"arrays": as_device_args(batch), "t": batch.sampling, "sample_rows": batch.sample_rows}

@@ -1,9 +1,10 @@
 """Engine: add_request / step / abort / generate over the continuous-batching core.
 
 ``step()`` per replica: schedule (scheduler + the replica's page moves and rows) -> build
-the step's fixed-shape batch -> dispatch forward + sampling on the device -> fetch the
-packed tokens -> postprocess (engine/output.py: append, detokenize, stop, free). Where the
-engine runs and how much it holds is decided once at start-up (engine/resources.py).
+the step's host arrays (engine/batch.py) -> dispatch forward + sampling on the device ->
+fetch the packed tokens -> postprocess (engine/output.py: append, detokenize, stop, free).
+The engine is built once at start-up (engine/build.py: its parts; engine/resources.py:
+where it runs and how much it holds).
 """
 
 from __future__ import annotations
@@ -17,20 +18,20 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxinfer.engine_config import DRAFT_METHODS, EngineConfig, with_speculative_config
+from jaxinfer.engine_config import EngineConfig
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine import resources as R
-from jaxinfer.engine.batch import BucketLadders, build_step, default_ladders
+from jaxinfer.engine import build
+from jaxinfer.engine.batch import build_step
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.host_memory import map_large_blocks, release_host_memory
 from jaxinfer.engine import search
 from jaxinfer.engine.output import OutputProcessor, RequestState, replay_runs
-from jaxinfer.engine.replica import Replica, make_replica
+from jaxinfer.engine.replica import Replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
-from jaxinfer.engine.speculative import make_speculator, spec_decode_sizes, speculable
+from jaxinfer.engine.speculative import speculable
 
 from jaxinfer.errors import EngineDeadError, StepFailedError
 
@@ -60,86 +61,34 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  loaded: Any = None, progress: bool = True, attention: str = "auto", **overrides: Any):
-        if config is not None and not isinstance(config, EngineConfig):
-            raise ValueError(f"config: expected an EngineConfig, got {type(config).__name__}")
-        if "speculative_config" in overrides:      # vLLM's form of the speculative_* fields
-            overrides = with_speculative_config(overrides)
-        config = dataclasses.replace(config, **overrides) if config else EngineConfig(**overrides)
-        self.config = config
-        map_large_blocks()          # freed large buffers go back to the system (host_memory.py)
-        R.use_compilation_cache(config.compilation_cache_dir)
-        if config.tensor_parallel_size == 0:
-            config = self.config = R.resolve_auto_tp(config, loaded.config if loaded else None, model)
-            if config.quantization and config.tensor_parallel_size > 1:     # re-check, now known
-                config = self.config = dataclasses.replace(config, tensor_parallel_size=1)
-                log.warning("tensor_parallel_size auto: 1 (quantized weights do not shard yet)")
-        meshes = R.replica_meshes(config)
-        R.start_background_work(config.quantization)
-        sampler_vocab, samplers = self._samplers_first(model, loaded, meshes)
-        float_target = None
-        if config.speculative_method == "self":      # its draft is made from the float weights
-            if loaded is None:
-                from jaxinfer.loading import load_model
-                loaded = load_model(model, config.dtype, meshes[0] if meshes else None)
-            float_target = loaded.model
-        # the float model is not kept: only the quantized / kernel-laid-out one
-        self.loaded, models = R.engine_models(config, model, loaded, meshes)
-        del loaded
-        release_host_memory()
-        self.model_config = mc = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        from jaxinfer.loading.default import model_name
-        self.model_name = model_name(model, self.loaded.source)
-        self.max_model_len = self._max_model_len(mc)
-        from jaxinfer.engine import spec_draft
-        from jaxinfer.models.base import fit_context
-
-        # the rotary set-up for max_model_len (weights untouched: after preparation)
-        models = [fit_context(m, self.max_model_len) for m in models]
-        self.loaded = dataclasses.replace(self.loaded, model=models[0])
-        # speculative decoding's draft (engine/spec_draft.py): 'self' from the float weights
-        draft = None
-        if config.speculative_method in DRAFT_METHODS:
-            target = models[0] if float_target is None else fit_context(float_target, self.max_model_len)
-            draft = spec_draft.draft_model(config, target, self.tokenizer, self.max_model_len)
-            del target
-        del float_target
-        release_host_memory()
-        # A draft that cannot step on the target's pages keeps a pool of its own with as
-        # many pages (spec_draft.own_pool): the KV budget pays for both.
-        # models[0].cfg: KV heads repeated where tensor parallelism needs it.
-        single = not meshes and R.num_processes() == 1
-        draft_pool = None if draft is None else (
-            lambda spec: spec_draft.own_pool(config.speculative_method, single, draft, spec))
-        self.kv_spec = R.kv_cache_spec(config, mc, models[0].cfg.num_kv_heads, self.loaded.model.dtype,
-                                       self.max_model_len, also=draft_pool)
-        self.ladders = self._ladders()
-        from jaxinfer.engine.lora import make_registry
-        self.loras = make_registry(mc, config, R.num_processes())   # multi-LoRA, or None
-        self.num_host_pages = R.host_kv_pages(config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
-        self.publisher = None
-        if meshes and R.num_processes() > 1:
-            from jaxinfer.engine.multihost import StepPublisher
-            if R.process_index() == 0:
-                self.publisher = StepPublisher()
-        # a 'self' draft may step on the target's pool (its first layers: the per-layer form)
-        shares = draft is not None and draft_pool(self.kv_spec) is None
-        self.replicas = [make_replica(config, self.kv_spec, self.ladders, self.max_model_len, self.num_host_pages,
-                                      m, mesh, attention, self.publisher, self.model_config, self.loras,
-                                      stack_kv=not shares,
-                                      samplers=samplers if m.cfg.vocab_size == sampler_vocab else None)
-                         for m, mesh in zip(models, meshes or [None])]
-        steps_on = self.replicas[0].runner if shares else None
-        self.speculator = make_speculator(config, None if draft is None else spec_draft.DraftProposer(
-            draft, self.kv_spec, self.ladders, config, attention, target=steps_on))
-        del draft
-        self._ids = itertools.count()
-        self._rng = np.random.default_rng(config.seed)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
-        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
-        self.num_steps = 0
+        """Build the engine (engine/build.py: the parts, in the order they are made), then
+        compile its buckets (``EngineConfig.warmup``)."""
         from jaxinfer.engine.guided import GrammarCompiler     # its threads start on the first compile
+        from jaxinfer.engine.lora import make_registry
+
+        self.config, meshes = build.configure(config, overrides, model, loaded)
+        samplers = build.samplers_first(self.config, model, loaded, meshes)
+        models = build.load_models(self.config, model, loaded, meshes)
+        del loaded
+        self.loaded, self.model_name, self.max_model_len = models.loaded, models.name, models.max_model_len
+        self.model_config, self.tokenizer = self.loaded.config, self.loaded.tokenizer
+        self.kv_spec, shares = build.kv_pool_spec(self.config, models, meshes)
+        self.ladders = build.bucket_ladders(self.config, self.max_model_len)
+        self.loras = make_registry(self.model_config, self.config, R.num_processes())   # multi-LoRA, or None
+        self.num_host_pages = R.host_kv_pages(self.config, self.kv_spec.bytes_per_page, max(1, len(meshes)))
+        self.publisher = build.step_publisher(meshes)
+        self.replicas = build.make_replicas(self.config, models, meshes, self.kv_spec, self.ladders,
+                                            self.num_host_pages, self.loras, self.publisher, attention,
+                                            stack_kv=not shares, samplers=samplers)
+        self.speculator = build.make_speculator(self.config, models.draft, self.kv_spec, self.ladders, attention,
+                                                steps_on=self.replicas[0].runner if shares else None)
+        del models
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(self.config.seed)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
+        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.num_steps = 0
         self._stepping: set[str] = set()     # request ids of the step in flight (_step_failed)
         self.num_failed_steps = 0
         # tests: called with each scheduled step before its batch is built; what it raises
@@ -147,7 +96,8 @@ class Engine:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.host_seconds = 0.0
         self.device_seconds = 0.0
-        self.compile_seconds = self._warmup(progress)
+        self.compiler = build.warm_up(self.config, self.replicas, self.ladders, self.speculator, progress)
+        self.compile_seconds = self.compiler.seconds
 
     # ---- LoRA adapters (engine/lora.py) ---------------------------------------------
     def load_lora(self, name: str, path: str) -> None:
@@ -203,94 +153,7 @@ class Engine:
             self.publisher.stop()
             self.publisher = None
 
-    # ---- start-up -----------------------------------------------------------------
-    def _max_model_len(self, mc: Any) -> int:
-        return min(self.config.max_model_len or min(mc.max_position_embeddings, 4096), mc.max_position_embeddings)
-
-    def _samplers_first(self, model: str | None, loaded: Any, meshes: list) -> tuple[int | None, dict[int, Any]]:
-        """The sampler executables, compiled before the weights load (runner.compile_sampler:
-        the largest transient of a cold start, with nothing else resident yet): (the
-        vocabulary size they were compiled for, width -> executable); the runner takes them
-        if its model's vocabulary is the same. None with a mesh, several processes or lazy
-        warm-up (each compiles as before)."""
-        from jaxinfer.engine.warmup import default_mode
-
-        c = self.config
-        if meshes or R.num_processes() > 1 or (c.warmup or default_mode()) == "lazy":
-            return None, {}
-        from jaxinfer.engine.runner import compile_sampler
-        from jaxinfer.loading import read_config
-
-        try:
-            mc = loaded.config if loaded is not None else read_config(model)
-        except (OSError, ValueError):
-            return None, {}                 # the load says what is wrong with the model
-        widths = sorted({b.sample_rows for b in self._ladders(self._max_model_len(mc)).all_buckets()})
-        options = R.compiler_options()
-        samplers = {w: compile_sampler(mc.vocab_size, c.max_num_seqs + 1, w, options) for w in widths}
-        release_host_memory()           # the compiler's freed scratch (~300 MiB) before the load
-        return mc.vocab_size, samplers
-
-    def _ladders(self, max_model_len: int | None = None) -> BucketLadders:
-        c = self.config
-        auto = default_ladders(c.max_num_seqs, max_model_len or self.max_model_len, c.page_size,
-                               c.max_num_batched_tokens)
-        if c.speculative_method is not None:
-            auto = dataclasses.replace(auto, decode_sizes=spec_decode_sizes(
-                auto.decode_sizes, c.num_speculative_tokens, c.speculative_tree_width))
-        if c.pipeline_parallel_size > 1:     # prefill steps that cut into equal micro-batches
-            from jaxinfer.engine.pipeline import pipeline_ladders
-            auto = pipeline_ladders(auto, c.pipeline_parallel_size)
-        lad = BucketLadders(c.decode_buckets or auto.decode_sizes,
-                            c.mixed_decode_buckets or auto.mixed_decode_sizes,
-                            c.prefill_buckets or auto.prefill_shapes,
-                            c.page_buckets or auto.page_sizes, c.enable_prompt_logprobs,
-                            c.min_sampler_rows)
-        # The scheduler lets a prompt's chunks run beside every other sequence's decode, so
-        # a step can carry max_num_seqs - 1 decodes and a prefill: say so now, not mid-run.
-        if (c.speculative_method is None and c.max_num_seqs > 1
-                and lad.mixed_decode_sizes[-1] < c.max_num_seqs - 1):
-            raise ValueError(f"mixed_decode_buckets: the largest ({lad.mixed_decode_sizes[-1]}) must hold "
-                             f"the decodes that can run beside a prefill chunk (max_num_seqs - 1 = "
-                             f"{c.max_num_seqs - 1})")
-        return lad
-
-    def _warmup(self, progress: bool) -> float:
-        """Compile the buckets a first request needs, then the rest: here, or in a
-        background thread while the engine serves, or when a step first needs them
-        (``EngineConfig.warmup``; engine/warmup.py). Returns the seconds spent compiling
-        before the engine can serve."""
-        from jaxinfer.engine.warmup import BucketCompiler, default_mode
-
-        draft = getattr(self.speculator, "proposer", None)
-        self.compiler = BucketCompiler([r.runner for r in self.replicas], self.ladders,
-                                       [(draft.runner, draft.buckets)] if hasattr(draft, "runner") else ())
-        # followers replay any bucket
-        mode = (self.config.warmup or default_mode()) if R.num_processes() == 1 else "full"
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=self.compiler.first_total if mode == "lazy" else self.compiler.total,
-                       desc="compiling buckets", unit="bucket", leave=False)
-
-            def show(done: int, total: int) -> None:
-                bar.n = min(done, bar.total)
-                bar.refresh()
-                if bar.n == bar.total:
-                    bar.close()
-                    self.compiler.progress = None
-
-            self.compiler.progress = show
-        self.compiler.compile_first()
-        if mode == "background":
-            self.compiler.start()
-            log.info("ready after %.1fs of compiling; %d more buckets compile in the background",
-                     self.compiler.seconds, self.compiler.total - self.compiler.num_compiled)
-        elif mode == "full":
-            self.compiler.compile_rest()
-            if self.compiler.error is not None:
-                raise self.compiler.error
-        return self.compiler.seconds
-
+    # ---- warm-up (engine/warmup.py) ---------------------------------------------
     @property
     def is_warm(self) -> bool:
         """Every bucket is compiled: from now on no step compiles anything."""

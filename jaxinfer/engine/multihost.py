@@ -36,7 +36,7 @@ _STOP = b"stop"
 
 
 def _treedef():
-    """Structure of a step's host arrays (runner.ModelRunner.dispatch builds it)."""
+    """Structure of a step's host arrays (batch.step_args)."""
     return jax.tree.structure({"arrays": {k: 0 for k in STEP_ARRAYS},
                                "t": S.sampling_tensors_from_params([], [], [], 1),
                                "sample_rows": 0})

@@ -2,7 +2,7 @@
 parallelism, the model's copy per replica, the KV pool's and host tier's sizes, and the
 caches a start reuses (XLA's persistent compilation cache, the C++ kernels' builds).
 
-Read once at start-up by ``Engine.__init__``; nothing here runs per step.
+Read once at start-up (``Engine.__init__``, engine/build.py); nothing here runs per step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The model runner: builds the step function, compiles every bucket ahead of time, executes.
+"""The model runner: one replica's device state and its table of executables per bucket,
+compiled ahead of time (``StepCompiler``), executed on a step's host arrays (engine/batch.py).
 
 One step = two executables back to back, both on device: the forward over the ragged
 batch (one per bucket; KV pages, penalty state and the logits buffer donated, updated in
@@ -39,7 +40,7 @@ from jaxinfer.engine import kv_cache as kvc
 from jaxinfer.engine import resources
 from jaxinfer.engine import sampler as S
 from jaxinfer.engine import scoring
-from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_array_shapes
+from jaxinfer.engine.batch import Bucket, StepBatch, as_device_args, step_args, step_array_shapes
 from jaxinfer.models import layer_loop as layer_loop_mod
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import LlamaForCausalLM
@@ -197,16 +198,7 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
 
     def body(i, carry):
         kv, pen, tokens, out = carry
-        step = jnp.where(live, i, 0)
-        pos = arrays["positions"] + step                             # i32[D]
-        page = jnp.take_along_axis(arrays["page_table"], (pos // page_size)[:, None], axis=1)[:, 0]
-        a = dict(arrays, tokens=tokens, positions=pos, kv_lens=arrays["kv_lens"] + step,
-                 slot_mapping=jnp.where(live, page * page_size + pos % page_size, arrays["slot_mapping"]),
-                 reset_rows=arrays["reset_rows"] & (i == 0),
-                 token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
-        ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, Sp - D)),
-                                 prev_token=jnp.pad(tokens, (0, Sp - D)),     # the watermark's seed
-                                 counts_add=jnp.where(i == 0, t.counts_add, -1))     # folded once
+        a, ti = _decode_step_inputs(arrays, t, tokens, i, live, page_size, Sp - D)
         logits, kv = model_body(graphdef, state, kv, a, lora_arrays, bucket=bucket, attention=attention,
                                 mm=mm, tp_axis=None, lora_shape=lora_shape, offload_layers=offload_layers,
                                 layer_loop=layer_loop)
@@ -224,6 +216,25 @@ def multi_decode_fn(graphdef, state_def, state_leaves, kv, pen, arrays: dict[str
     kv, pen, _, out = lax.fori_loop(0, jnp.minimum(num_steps, max_steps), body,
                                     (kv, pen, arrays["tokens"], out))
     return out, kv, pen
+
+
+def _decode_step_inputs(arrays: dict[str, jax.Array], t: S.SamplingTensors, tokens: jax.Array, i: jax.Array,
+                        live: jax.Array, page_size: int, pad: int) -> tuple[dict[str, jax.Array], S.SamplingTensors]:
+    """Step ``i`` of a multi-step decode from step 0's inputs: each live slot fed the
+    token step i - 1 sampled (``tokens``), one position further on (its KV slot from the
+    page table); penalty rows reset and accepted drafts' counts folded in at step 0 only.
+    ``pad``: the sampler's rows past the D slots."""
+    step = jnp.where(live, i, 0)
+    pos = arrays["positions"] + step                             # i32[D]
+    page = jnp.take_along_axis(arrays["page_table"], (pos // page_size)[:, None], axis=1)[:, 0]
+    a = dict(arrays, tokens=tokens, positions=pos, kv_lens=arrays["kv_lens"] + step,
+             slot_mapping=jnp.where(live, page * page_size + pos % page_size, arrays["slot_mapping"]),
+             reset_rows=arrays["reset_rows"] & (i == 0),
+             token_is_output=jnp.where(i == 0, arrays["token_is_output"], live))
+    ti = dataclasses.replace(t, step=t.step + jnp.pad(step, (0, pad)),
+                             prev_token=jnp.pad(tokens, (0, pad)),     # the watermark's seed
+                             counts_add=jnp.where(i == 0, t.counts_add, -1))     # folded once
+    return a, ti
 
 
 def _jit(fn: Callable, **kw: Any) -> Any:
@@ -263,17 +274,41 @@ def compile_sampler(vocab_size: int, num_rows: int, width: int, options: dict | 
                                  mask).compile(options)
 
 
-def _sample_rows(batch: StepBatch) -> np.ndarray:
-    """i32[S']: each sampler row's penalty-state row (padding rows -> row 0, the sink)."""
-    rows = np.zeros(batch.bucket.sample_rows, np.int32)
-    rows[:batch.bucket.num_seqs] = batch.rows
-    return rows
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Any) -> jax.Array:
+    """A zero-filled array: on the default device, or replicated over ``mesh``."""
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return _jit(lambda: jnp.zeros(shape, dtype), out_shardings=shd.replicated(mesh))()
+
+
+def _body_opts(lora: Any, offload_layers: tuple[int, ...], layer_loop: bool, pipelined: bool) -> dict[str, Any]:
+    """The options ``model_body`` takes (through forward_fn and multi_decode_fn)."""
+    opts: dict[str, Any] = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
+    if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
+        opts["offload_layers"] = tuple(offload_layers)
+    if layer_loop:
+        opts["layer_loop"] = True
+    if pipelined:        # each stage's layers attend through the pipeline's own loop
+        opts["paged_attention_fn"] = paged_attention_fn
+    return opts
 
 
 class ModelRunner:
-    """Owns the device state of one engine replica (weights, KV pages, penalty state) and
-    its executables. ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the
-    default device. ``publisher``: process 0's step broadcaster under jax.distributed.
+    """One engine replica's device side: its state (weights, KV pages, penalty state) and
+    a table of executables per bucket, which a step only reads:
+
+    * ``executables``: each bucket's forward (``forward_fn``);
+    * ``multi_executables``: each decode-only bucket's multi-step decode
+      (``multi_decode_fn``; runners with num_scheduler_steps > 1);
+    * ``samplers``: the sampler of each width S' (``sample_fn``), shared by the buckets of
+      that width, and ``logits_bufs``: the f32[S', V] logits its forwards rewrite.
+
+    ``compile_bucket`` fills a bucket's entries (``StepCompiler``, from abstract
+    arguments; engine/warmup.py decides when); ``dispatch`` / ``dispatch_multi`` run a
+    step's host arrays (engine/batch.py) through them, and a bucket not there raises.
+
+    ``mesh``: the replica's ("data"=1, "model"=tp) mesh, or None for the default device.
+    ``publisher``: process 0's step broadcaster under jax.distributed.
     A draft model's runner (engine/spec_draft.py) never samples through the sampler
     executables (``samples=False``: none compiled; its multi-step decode takes argmax
     tokens) and needs multi-step executables only for decode buckets of at most
@@ -291,93 +326,35 @@ class ModelRunner:
         if num_scheduler_steps > 1 and (mesh is not None or publisher is not None):
             raise ValueError("num_scheduler_steps > 1: multi-step decode runs on a single device "
                              "(no mesh, one process) for now")
+        self.cfg, self.spec, self.mesh, self.publisher, self.num_rows = model.cfg, spec, mesh, publisher, num_rows
         self.num_scheduler_steps = num_scheduler_steps
-        # lora_device.LoraSlots of this replica (multi-LoRA), or None
-        self.lora = lora
-        body_opts: dict[str, Any] = {} if lora is None else {"lora_shape": (lora.num_slots, lora.rank)}
-        if offload_layers:   # weights in host memory, streamed a layer ahead (offload.py)
-            body_opts["offload_layers"] = tuple(offload_layers)
+        self.lora = lora          # lora_device.LoraSlots of this replica (multi-LoRA), or None
         self.samples, self.multi_decode_seqs = samples, multi_decode_seqs
         # False: the runner steps only through its multi-step decode (a draft that shares
         # the target's KV pool: engine/spec_draft.py), so no single-step forwards compile
         self.forwards = True
-        self.cfg = model.cfg
-        self.spec = spec
-        self.mesh = mesh
-        self.publisher = publisher
         pipelined = shd.pp_size(mesh) > 1
         self.attention_name, attn_impl = dispatch.select(attention, kv_quantized=spec.quantized,
-                                                                 kv_dtype=spec.dtype,
-                                                                 alibi=L.model_alibi_slopes(self.cfg) is not None)
+                                                         kv_dtype=spec.dtype,
+                                                         alibi=L.model_alibi_slopes(self.cfg) is not None)
         # EngineConfig.layer_loop: the C++ paged attention (float32 or int8 pages),
         # no LoRA, offload or pipeline stages; the model unrolls when its layers do not fit
         # (models/layer_loop.py)
         self.layer_loop = bool(layer_loop and dispatch.can_index(self.attention_name) and not pipelined
                                and lora is None and not offload_layers)
-        stacks = None
-        if self.layer_loop:
-            body_opts["layer_loop"] = True
-            # one device: every layer's weights stacked once (one loop operand per array,
-            # not per layer: ~4 MiB less per step executable, models/layer_loop.py), held
-            # by this runner's copy of the model. Before the model is split: nothing here
-            # may hold the layers' old buffers while their stacks are made.
-            stacks = layer_loop_mod.stack_weights(model, M.can_index) if mesh is None else None
-            if stacks:
-                model = nnx.merge(*nnx.split(model))
-                model.layer_stacks = nnx.Dict(stacks)
-        # The pool as one [L, ...] array per kind where the loop runs on one device (the
-        # same reason, engine/kv_cache.py StackedKV); the unrolled model takes per-layer pages.
-        self.stacked_kv = bool(stacks and stack_kv)
-        if pipelined:         # layers cut into stages over the mesh's "stage" axis
-            from jaxinfer.engine import pipeline
-
-            pipeline.check(model, shd.pp_size(mesh))
-            self.graphdef, self.state = pipeline.stage_model(model, mesh)
-            body_opts["paged_attention_fn"] = paged_attention_fn
-        else:
-            self.graphdef, self.state = nnx.split(model)
-        if offload_layers:
-            from jaxinfer.engine import offload
-
-            self.state = offload.place(self.state, offload_layers)
-        self.state_leaves, self.state_def = jax.tree.flatten(self.state)
+        model = self._stack_layers(model, stack_kv)
+        self._place_weights(model, offload_layers, pipelined)
         V = self.cfg.vocab_size
-        self.pen = (self._zeros((num_rows, V), bool), self._zeros((num_rows, V), jnp.int32))
-        if mesh is None:
-            self.kv = kvc.allocate_kv_cache(spec, untouched=True, stacked=self.stacked_kv) if kv_pool else None
-            state_specs = kv_specs = None
-        else:
-            self.kv = pipeline.allocate_kv_cache(spec, mesh) if pipelined else kvc.allocate_kv_cache(spec, mesh)
-            state_specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
-            kv_specs = jax.tree.map(lambda x: x.sharding.spec, self.kv)
-        self.num_rows = num_rows
-        mm = M.select(batch_invariant, quantized=quantization.is_quantized(model))
-        if lora is not None:
-            from jaxinfer.engine.lora_device import with_lora
-
-            mm = with_lora(mm)
-        self.compiler_options = resources.compiler_options(model)
-        self.sampler_compiler_options = resources.compiler_options()      # no weights in it
-        # The step functions; each compile jits them afresh (``_jit``): JAX caches a
-        # function's traces and lowered modules for as long as its jit object lives, ~3 MiB
-        # per forward and ~9 MiB per sampler on the default model that nothing reads after
-        # the compile (measured: 92 MiB once every bucket had compiled).
-        self._forward_fn = functools.partial(forward_fn, self.graphdef, self.state_def,
-                                             attention=attn_impl,
-                                             mm=mm, mesh=mesh,
-                                             state_specs=state_specs, kv_specs=kv_specs,
-                                             lora_specs={} if lora is None else lora.specs(),
-                                             body_fn=pipeline.stage_body if pipelined else model_body,
-                                             **body_opts)
+        self.pen = (_zeros((num_rows, V), bool, mesh), _zeros((num_rows, V), jnp.int32, mesh))
+        self.kv = self._allocate_kv(kv_pool, pipelined)
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same
         # work, and XLA:CPU's TopkDecomposer crashes compiling the sampler's barrier-wrapped
         # top-k for several devices. Followers (multi-process) do not sample at all.
         self.sample_device = None if mesh is None else next(
             d for d in mesh.devices.flat if d.process_index == jax.process_index())
-        self._multi_fn = functools.partial(multi_decode_fn, self.graphdef, self.state_def,
-                                           attention=attn_impl, mm=mm, page_size=spec.page_size,
-                                           greedy_only=not samples, **body_opts)
+        self.step_compiler = StepCompiler(self, model, attn_impl, batch_invariant,
+                                          _body_opts(lora, offload_layers, self.layer_loop, pipelined))
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
@@ -385,11 +362,55 @@ class ModelRunner:
         self.logits_bufs: dict[int, jax.Array] = {}
         self._empty_masks: dict[int, S.TokenMask] = {}
         self.compile_seconds = 0.0
-        self._kv_pen_abstract = None
-        self._abstract_args(Bucket.of(1, 0, 0, 1))
         self.last_logits: jax.Array | None = None
         self.last_scores: jax.Array | None = None
         self.page_mover: Any = None       # kv_offload.PageMover, with a host tier or poisoning
+
+    def _stack_layers(self, model: LlamaForCausalLM, stack_kv: bool) -> LlamaForCausalLM:
+        """The model with the layer loop's weight stacks (models/layer_loop.py): on one
+        device every layer's weights stacked once (one loop operand per array, not per
+        layer: ~4 MiB less per step executable), held by this runner's copy of the model.
+        Sets ``stacked_kv``: the pool as one [L, ...] array per kind where the loop runs on
+        one device (the same reason, engine/kv_cache.py StackedKV); the unrolled model takes
+        per-layer pages."""
+        stacks = None
+        if self.layer_loop and self.mesh is None:
+            # Before the model is split: nothing here may hold the layers' old buffers
+            # while their stacks are made.
+            stacks = layer_loop_mod.stack_weights(model, M.can_index)
+            if stacks:
+                model = nnx.merge(*nnx.split(model))
+                model.layer_stacks = nnx.Dict(stacks)
+        self.stacked_kv = bool(stacks and stack_kv)
+        return model
+
+    def _place_weights(self, model: LlamaForCausalLM, offload_layers: tuple[int, ...], pipelined: bool) -> None:
+        """``graphdef`` and ``state`` (the weights), cut into stages over the mesh's "stage"
+        axis where the layers are pipelined, the layers of ``offload_layers`` in host memory
+        (offload.py); ``state_leaves``: the flat list every step passes."""
+        if pipelined:
+            from jaxinfer.engine import pipeline
+
+            pipeline.check(model, shd.pp_size(self.mesh))
+            self.graphdef, self.state = pipeline.stage_model(model, self.mesh)
+        else:
+            self.graphdef, self.state = nnx.split(model)
+        if offload_layers:
+            from jaxinfer.engine import offload
+
+            self.state = offload.place(self.state, offload_layers)
+        self.state_leaves, self.state_def = jax.tree.flatten(self.state)
+
+    def _allocate_kv(self, kv_pool: bool, pipelined: bool) -> Any:
+        """The KV pool: on the default device (None without a pool of its own), sharded over
+        the mesh, or cut into the pipeline's stages."""
+        if self.mesh is None:
+            return kvc.allocate_kv_cache(self.spec, untouched=True, stacked=self.stacked_kv) if kv_pool else None
+        if pipelined:
+            from jaxinfer.engine import pipeline
+
+            return pipeline.allocate_kv_cache(self.spec, self.mesh)
+        return kvc.allocate_kv_cache(self.spec, self.mesh)
 
     def enable_page_moves(self, num_host_slots: int, host: bool = True) -> float:
         """A host pool of ``num_host_slots`` pages and the page-copy executables, compiled
@@ -408,35 +429,11 @@ class ModelRunner:
         if ops:
             self.kv = self.page_mover.apply(self.kv, ops, poison)
 
-    def _abstract(self, x, sharding=None):
-        """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
-        if self.mesh is None:
-            kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-            # weights offloaded to host memory (offload.py) keep their memory kind
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if kind not in (None, "device") else None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
-
-    def _abstract_args(self, b: Bucket):
-        rep = None if self.mesh is None else shd.replicated(self.mesh)
-        host = lambda shape, dt: self._abstract(np.empty(shape, dt), rep)   # noqa: E731
-        arrays = {k: host(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}
-        t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
-        t = jax.tree.map(lambda x: self._abstract(x, rep), t)
-        if self._kv_pen_abstract is None:
-            # Once, from the arrays as allocated: a background compile must not read
-            # self.kv / self.pen while a step is donating them.
-            # (no pool of its own: the layout of the pages it is lent, one device)
-            kv = kvc.abstract_kv_cache(self.spec, self.stacked_kv) if self.kv is None else self.kv
-            self._kv_pen_abstract = (jax.tree.map(self._abstract, kv), jax.tree.map(self._abstract, self.pen))
-        kv, pen = self._kv_pen_abstract
-        return [self._abstract(x) for x in self.state_leaves], kv, pen, arrays, t
-
-    def _lora_arrays(self, abstract: bool = False) -> dict:
+    def _lora_arrays(self) -> dict:
         """The LoRA slot arrays the executables take ({} without LoRA)."""
-        if self.lora is None:
-            return {}
-        return jax.tree.map(self._abstract, self.lora.arrays) if abstract else self.lora.arrays
+        return {} if self.lora is None else self.lora.arrays
 
+    # ---- the table ----------------------------------------------------------------
     def compile_all(self, buckets: list[Bucket], progress: Callable[[int, int, Bucket], None] | None = None) -> float:
         """AOT-compile one executable per bucket; returns the seconds it took."""
         t0 = time.perf_counter()
@@ -464,35 +461,20 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.forwards and b not in self.executables:
             if b.sample_rows not in self.logits_bufs:
-                self.logits_bufs[b.sample_rows] = self._zeros((b.sample_rows, self.cfg.vocab_size), jnp.float32)
-            self.executables[b] = self.lower_forward(b).compile(self.compiler_options)
+                self.logits_bufs[b.sample_rows] = _zeros((b.sample_rows, self.cfg.vocab_size), jnp.float32,
+                                                         self.mesh)
+            self.executables[b] = self.step_compiler.forward(b)
         if self.samples and b.sample_rows not in self.samplers:
-            self.samplers[b.sample_rows] = compile_sampler(self.cfg.vocab_size, self.num_rows, b.sample_rows,
-                                                           self.sampler_compiler_options, self.sample_device)
+            self.samplers[b.sample_rows] = self.step_compiler.sampler(b.sample_rows)
         if self._has_multi(b) and b not in self.multi_executables:
-            state, kv, pen, arrays, t = self._abstract_args(b)
-            scalar = jax.ShapeDtypeStruct((), np.int32)
-            rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
-            multi = _jit(self._multi_fn, static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
-            self.multi_executables[b] = multi.lower(
-                state, kv, pen, arrays, t, scalar, rows, self._lora_arrays(abstract=True), bucket=b,
-                max_steps=self.num_scheduler_steps).compile(self.compiler_options)
+            self.multi_executables[b] = self.step_compiler.multi_decode(b, self.num_scheduler_steps)
         self.compile_seconds += time.perf_counter() - t0
 
     def lower_forward(self, b: Bucket) -> Any:
         """Bucket ``b``'s forward, lowered (jax.stages.Lowered) from abstract arguments."""
-        state, kv, pen, arrays, t = self._abstract_args(b)
-        buf = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32),
-                             None if self.mesh is None else shd.replicated(self.mesh))
-        fwd = _jit(self._forward_fn, static_argnames=("bucket",), donate_argnums=(1, 2, 3))
-        return fwd.lower(state, kv, pen, buf, arrays, t, self._lora_arrays(abstract=True), bucket=b)
+        return self.step_compiler.lower_forward(b)
 
-    def _zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-        """A zero-filled array: on the default device, or replicated over the mesh."""
-        if self.mesh is None:
-            return jnp.zeros(shape, dtype)
-        return _jit(lambda: jnp.zeros(shape, dtype), out_shardings=shd.replicated(self.mesh))()
-
+    # ---- a step -------------------------------------------------------------------
     def empty_mask(self, rows: int) -> S.TokenMask:
         """The all-allowed TokenMask of ``rows`` rows, made once per width and kept on the
         device, so unconstrained steps pass it without a host->device copy."""
@@ -504,21 +486,20 @@ class ModelRunner:
             self._empty_masks[rows] = jax.device_put(S.TokenMask(m.bits, m.bias_ids, m.bias_vals, m.active), dev)
         return self._empty_masks[rows]
 
-    def dispatch(self, batch: StepBatch, t: S.SamplingTensors,
-                 mask: Callable[[], S.TokenMask | None] | None = None) -> jax.Array:
+    def dispatch(self, batch: StepBatch) -> jax.Array:
         """Enqueue one step on the device and return at once (JAX dispatch is asynchronous),
-        so several data-parallel replicas' steps run concurrently; ``fetch`` waits.
-        ``mask()`` builds the step's TokenMask (None: no row constrained); it is called after
-        the forward is enqueued, so the host computes grammar masks while the device runs."""
+        so several data-parallel replicas' steps run concurrently; ``fetch`` waits. The
+        step's token mask (``batch.token_mask``) is built after the forward is enqueued,
+        so the host computes grammar masks while the device runs."""
         if batch.bucket not in self.executables:
             raise RuntimeError(f"bucket {batch.bucket} was not compiled at start-up")
         b = batch.bucket
-        host = {"arrays": as_device_args(batch), "t": t, "sample_rows": _sample_rows(batch)}
+        host = step_args(batch)
         if self.publisher is not None:
             self.publisher.publish(b, host)       # followers do not sample: no mask for them
-        return self.run_host_step(b, host, mask_fn=mask)
+        return self.run_host_step(b, host, mask_fn=batch.token_mask)
 
-    def dispatch_multi(self, batch: StepBatch, t: S.SamplingTensors, num_steps: int) -> jax.Array:
+    def dispatch_multi(self, batch: StepBatch, num_steps: int) -> jax.Array:
         """Enqueue ``num_steps`` (2..num_scheduler_steps) decode steps of a decode-only batch
         (multi_decode_fn); ``fetch`` returns i32[num_scheduler_steps, S', 2 + 2K]."""
         b = batch.bucket
@@ -528,8 +509,8 @@ class ModelRunner:
         if not 1 <= num_steps <= self.num_scheduler_steps:
             raise ValueError(f"num_steps: must be in [1, {self.num_scheduler_steps}], got {num_steps}")
         out, self.kv, self.pen = self.multi_executables[b](
-            self.state_leaves, self.kv, self.pen, as_device_args(batch), t, np.int32(num_steps),
-            _sample_rows(batch), self._lora_arrays())
+            self.state_leaves, self.kv, self.pen, as_device_args(batch), batch.sampling, np.int32(num_steps),
+            batch.sample_rows, self._lora_arrays())
         return out
 
     def run_host_step(self, b: Bucket, host: dict[str, Any], sample: bool = True,
@@ -589,3 +570,91 @@ class ModelRunner:
         if self.last_scores is None:
             raise RuntimeError("fetch_scores: the last step did not run in a scoring bucket")
         return np.asarray(self.last_scores)
+
+
+class StepCompiler:
+    """The compile side of a runner: its step functions, with the model's structure, the
+    attention and the matmul bound, lowered from abstract arguments (shapes, dtypes,
+    shardings) and compiled. It never reads the live device state: the KV pool's and
+    penalty state's abstract forms are taken once, from the arrays as allocated, so a
+    background compile runs while steps donate them.
+
+    Each compile jits its step function afresh (``_jit``): JAX caches a function's traces
+    and lowered modules for as long as its jit object lives, ~3 MiB per forward and ~9 MiB
+    per sampler on the default model that nothing reads after the compile (measured: 92
+    MiB once every bucket had compiled)."""
+
+    def __init__(self, runner: ModelRunner, model: LlamaForCausalLM, attn_impl: Callable, batch_invariant: bool,
+                 body_opts: dict[str, Any]):
+        """From ``runner``'s placed weights and allocated state (``model``: its copy, for
+        the matmul and the compiler options its quantized path needs)."""
+        mesh, lora, pipelined = runner.mesh, runner.lora, shd.pp_size(runner.mesh) > 1
+        mm = M.select(batch_invariant, quantized=quantization.is_quantized(model))
+        if lora is not None:
+            from jaxinfer.engine.lora_device import with_lora
+
+            mm = with_lora(mm)
+        self.options = resources.compiler_options(model)
+        self.sampler_options = resources.compiler_options()      # no weights in it
+        self.mesh, self.lora, self.cfg = mesh, lora, runner.cfg
+        self.num_rows, self.sample_device = runner.num_rows, runner.sample_device
+        specs = lambda tree: None if mesh is None else jax.tree.map(lambda x: x.sharding.spec, tree)  # noqa: E731
+        body_fn = model_body
+        if pipelined:
+            from jaxinfer.engine import pipeline
+
+            body_fn = pipeline.stage_body
+        self.forward_fn = functools.partial(forward_fn, runner.graphdef, runner.state_def, attention=attn_impl,
+                                            mm=mm, mesh=mesh, state_specs=specs(runner.state),
+                                            kv_specs=specs(runner.kv), lora_specs={} if lora is None else lora.specs(),
+                                            body_fn=body_fn, **body_opts)
+        self.multi_fn = functools.partial(multi_decode_fn, runner.graphdef, runner.state_def, attention=attn_impl,
+                                          mm=mm, page_size=runner.spec.page_size, greedy_only=not runner.samples,
+                                          **body_opts)
+        # (no pool of its own: the layout of the pages it is lent, one device)
+        kv = kvc.abstract_kv_cache(runner.spec, runner.stacked_kv) if runner.kv is None else runner.kv
+        self.state = [self._abstract(x) for x in runner.state_leaves]
+        self.kv, self.pen = jax.tree.map(self._abstract, kv), jax.tree.map(self._abstract, runner.pen)
+
+    def _abstract(self, x, sharding=None):
+        """ShapeDtypeStruct of x: with x's own sharding (device arrays) or the given one."""
+        if self.mesh is None:
+            kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+            # weights offloaded to host memory (offload.py) keep their memory kind
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if kind not in (None, "device") else None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
+
+    def _step_args(self, b: Bucket) -> tuple:
+        """The abstract step arrays, sampling tensors and LoRA slot arrays of bucket ``b``."""
+        rep = None if self.mesh is None else shd.replicated(self.mesh)
+        host = lambda shape, dt: self._abstract(np.empty(shape, dt), rep)   # noqa: E731
+        arrays = {k: host(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}
+        t = S.sampling_tensors_from_params([], [], [], b.sample_rows)
+        t = jax.tree.map(lambda x: self._abstract(x, rep), t)
+        lora = {} if self.lora is None else jax.tree.map(self._abstract, self.lora.arrays)
+        return arrays, t, lora
+
+    def lower_forward(self, b: Bucket) -> Any:
+        """Bucket ``b``'s forward, lowered (jax.stages.Lowered)."""
+        arrays, t, lora = self._step_args(b)
+        buf = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32),
+                             None if self.mesh is None else shd.replicated(self.mesh))
+        fwd = _jit(self.forward_fn, static_argnames=("bucket",), donate_argnums=(1, 2, 3))
+        return fwd.lower(self.state, self.kv, self.pen, buf, arrays, t, lora, bucket=b)
+
+    def forward(self, b: Bucket) -> Any:
+        """Bucket ``b``'s forward, compiled."""
+        return self.lower_forward(b).compile(self.options)
+
+    def multi_decode(self, b: Bucket, max_steps: int) -> Any:
+        """Decode-only bucket ``b``'s multi-step decode of up to ``max_steps`` steps, compiled."""
+        arrays, t, lora = self._step_args(b)
+        scalar = jax.ShapeDtypeStruct((), np.int32)
+        rows = jax.ShapeDtypeStruct((b.sample_rows,), np.int32)
+        multi = _jit(self.multi_fn, static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
+        return multi.lower(self.state, self.kv, self.pen, arrays, t, scalar, rows, lora, bucket=b,
+                           max_steps=max_steps).compile(self.options)
+
+    def sampler(self, width: int) -> Any:
+        """The sampler of ``width`` rows (compile_sampler), on the runner's sampling device."""
+        return compile_sampler(self.cfg.vocab_size, self.num_rows, width, self.sampler_options, self.sample_device)

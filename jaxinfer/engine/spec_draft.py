@@ -63,8 +63,7 @@ from flax import nnx
 
 from jaxinfer.engine_config import EngineConfig, draft_quantization
 from jaxinfer.engine import kv_cache as kvc
-from jaxinfer.engine import sampler as S
-from jaxinfer.engine.batch import Bucket, BucketLadders, as_device_args, build_step
+from jaxinfer.engine.batch import Bucket, BucketLadders, build_step, step_args
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.engine.sequence import Sequence
 
@@ -224,13 +223,12 @@ class DraftProposer:
                            self.ladders, self.spec.page_size, _ROWS, lookahead=steps - 1)
         if ensure is not None:
             ensure(self.runner, batch.bucket)
-        t = S.sampling_tensors_from_params([], [], [], batch.bucket.sample_rows)     # greedy
-        if self.target is None:
-            handle = self.runner.dispatch_multi(batch, t, steps)
+        if self.target is None:             # (the batch's sampler rows: all greedy padding)
+            handle = self.runner.dispatch_multi(batch, steps)
         else:       # the target's pages, donated through the draft's step and handed back
             n = self.spec.num_layers
             self.runner.kv = list(self.target.kv[:n])
-            handle = self.runner.dispatch_multi(batch, t, steps)
+            handle = self.runner.dispatch_multi(batch, steps)
             self.target.kv = list(self.runner.kv) + list(self.target.kv[n:])
             self.runner.kv = None
         packed = self.runner.fetch(handle)                                          # i32[max_steps, S', 2 + 2K]
@@ -271,5 +269,4 @@ class DraftProposer:
         batch = build_step(entries, self.ladders, self.spec.page_size, _ROWS)
         if ensure is not None:
             ensure(self.runner, batch.bucket)
-        t = S.sampling_tensors_from_params([], [], [], batch.bucket.sample_rows)
-        self.runner.run_host_step(batch.bucket, {"arrays": as_device_args(batch), "t": t}, sample=False)
+        self.runner.run_host_step(batch.bucket, step_args(batch), sample=False)

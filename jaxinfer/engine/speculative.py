@@ -165,11 +165,7 @@ class Speculator:
         reached yet (engine/warmup.py). ``allowed(seq, draft)``: how many leading tokens of
         a draft the sequence's grammar accepts (a draft is cut there; an empty one dropped)."""
         c, running = self.config, sched.running
-        if not running or len(running) > c.speculative_disable_by_batch_size:
-            return {}
-        if sched.waiting and len(running) < sched.max_num_seqs:
-            return {}
-        if any(s.num_new_tokens_needed != 1 for s in running):
+        if not self._may_speculate(sched):
             return {}
         self._states = {s.seq_id: self._states.get(s.seq_id) or _SeqState(2 * self.min_accepted) for s in running}
         spare = min(max_slots, sched.max_num_batched_tokens) - len(running)
@@ -177,11 +173,7 @@ class Speculator:
         wanted: list[tuple[Sequence, int]] = []      # a draft model's: (sequence, tokens), all at once
         extra: list[tuple[Sequence, list[list[int]]]] = []    # the tree's other chains
         for seq in running:
-            st = self._states[seq.seq_id]
-            if st.paused:
-                st.paused -= 1
-                if not st.paused:              # one round to prove itself
-                    st.accepted = self.min_accepted
+            if self._sits_out(seq):
                 continue
             # no token past max_tokens or max_model_len is ever fed
             k = min(c.num_speculative_tokens, spare, seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -189,11 +181,7 @@ class Speculator:
             if k <= 0 or not eligible(seq):
                 continue
             if isinstance(self.proposer, NgramProposer):
-                chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
-                                                  1 if seq.params.penalized else c.speculative_tree_width)
-                if allowed is not None:
-                    chains = [ch[:allowed(seq, ch)] for ch in chains]
-                    chains = [ch for ch in chains if ch]
+                chains = self._ngram_chains(seq, k, allowed)
                 if chains:
                     drafts[seq.seq_id] = chains[0]
                     spare -= len(chains[0])
@@ -203,18 +191,57 @@ class Speculator:
                 wanted.append((seq, k))
                 spare -= k
         if wanted:
-            proposed = self.proposer.propose(sched, wanted, ensure)
-            if allowed is not None:
-                for seq, _ in wanted:
-                    draft = proposed.get(seq.seq_id, [])
-                    proposed[seq.seq_id] = draft[:allowed(seq, draft)]
-                    if draft and not proposed[seq.seq_id]:
-                        # the draft model's work bought nothing: a round with none accepted
-                        self._pace(seq, 0)
-            drafts.update({i: d for i, d in proposed.items() if d})
+            drafts.update(self._model_drafts(sched, wanted, ensure, allowed))
         if extra and self.tree is not None:
             self.tree.grow(sched, drafts, extra, spare)
         return drafts
+
+    def _may_speculate(self, sched: Scheduler) -> bool:
+        """Every running sequence decodes, nobody can be admitted and at most
+        ``speculative_disable_by_batch_size`` run."""
+        running = sched.running
+        if not running or len(running) > self.config.speculative_disable_by_batch_size:
+            return False
+        if sched.waiting and len(running) < sched.max_num_seqs:
+            return False
+        return all(s.num_new_tokens_needed == 1 for s in running)
+
+    def _sits_out(self, seq: Sequence) -> bool:
+        """``seq`` is paused (its drafts kept failing: ``_pace``) and sits this round out;
+        after its last paused round, one round to prove itself."""
+        st = self._states[seq.seq_id]
+        if not st.paused:
+            return False
+        st.paused -= 1
+        if not st.paused:
+            st.accepted = self.min_accepted
+        return True
+
+    def _ngram_chains(self, seq: Sequence, k: int, allowed: Callable[[Sequence, list[int]], int] | None
+                      ) -> list[list[int]]:
+        """Prompt lookup's continuations of ``seq`` (up to ``k`` tokens; one chain for a
+        penalized sequence, else up to the tree's width), each cut where the grammar stops
+        accepting, empty ones dropped."""
+        chains = self.proposer.candidates(np.asarray(seq.all_token_ids, np.int32), k,
+                                          1 if seq.params.penalized else self.config.speculative_tree_width)
+        if allowed is not None:
+            chains = [ch[:allowed(seq, ch)] for ch in chains]
+            chains = [ch for ch in chains if ch]
+        return chains
+
+    def _model_drafts(self, sched: Scheduler, wanted: list[tuple[Sequence, int]], ensure: Any,
+                      allowed: Callable[[Sequence, list[int]], int] | None) -> dict[int, list[int]]:
+        """A draft model's proposals for ``wanted`` (sequence, tokens), all in one run, each
+        cut where the grammar stops accepting; empty ones dropped."""
+        proposed = self.proposer.propose(sched, wanted, ensure)
+        if allowed is not None:
+            for seq, _ in wanted:
+                draft = proposed.get(seq.seq_id, [])
+                proposed[seq.seq_id] = draft[:allowed(seq, draft)]
+                if draft and not proposed[seq.seq_id]:
+                    # the draft model's work bought nothing: a round with none accepted
+                    self._pace(seq, 0)
+        return {i: d for i, d in proposed.items() if d}
 
     def verifies(self, sched: SchedulerOutput) -> bool:
         """Whether the step needs ``postprocess`` and ``rollback``: it verified a draft, or

@@ -77,58 +77,11 @@ def _layer_norm_names(cfg: ModelConfig, names: dict[str, str]) -> dict[str, str]
 
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """Our parameter path -> its description (the one table; see models/llama.py)."""
-    g = cfg.gpt
-    names = _NAMES[g.family]
+    names = _NAMES[cfg.gpt.family]
     pre = names["prefix"]
-    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    E = g.project_dim or D                         # embedding width (OPT's word_embed_proj_dim)
-    Hq, Hkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    lin = not g.conv1d                             # torch Linear: [out, in]; GPT-2's Conv1D: [in, out]
-    specs: dict[str, WeightSpec] = {"embed": WeightSpec((V, E), ("vocab", "embed"), f"{pre}{names['embed']}.weight")}
-
-    def norm(path: str, hf: str) -> None:
-        specs[path] = WeightSpec((D,), (None,), f"{hf}.weight", init="ones")
-        if g.norm_bias:
-            specs[f"{path}_b"] = WeightSpec((D,), (None,), f"{hf}.bias", init="zeros")
-
-    if g.positions == "learned":
-        specs["pos_embed"] = WeightSpec((g.num_positions + g.position_offset, D), (None, "embed"),
-                                        f"{pre}{names['pos']}.weight")
-    if g.embed_norm:
-        norm("embed_norm", pre + names["embed_norm"])
-    if g.project_dim:
-        specs["proj_in"] = WeightSpec((E, D), (None, None), f"{pre}{names['proj_in']}.weight", True)
-        specs["proj_out"] = WeightSpec((D, E), (None, None), f"{pre}{names['proj_out']}.weight", True)
-    if g.final_norm:
-        norm("final_norm", pre + names["final_norm"])
-    head = f"{pre}{names['embed']}.weight" if cfg.tie_word_embeddings else names["lm_head"]
-    specs["lm_head"] = WeightSpec((E, V), ("embed", "vocab"), head, transpose=True)
-
+    specs = _model_specs(cfg, names)
     for i in range(cfg.num_layers):
-        hf = pre + names["layer"].format(i=i)
-        p = f"layers.{i}"
-        for ours, theirs in _layer_norm_names(cfg, names).items():
-            norm(f"{p}.{ours}", hf + theirs)
-        for j, (w, b, width, axis) in enumerate((("wq", "bq", Hq, "q_heads"), ("wk", "bk", Hkv, "kv_heads"),
-                                                  ("wv", "bv", Hkv, "kv_heads"))):
-            if g.qkv is not None:
-                src = hf + names["qkv"]
-                take_w = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j,
-                                           axis=0 if lin else 1)
-                take_b = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j)
-            else:
-                src, take_w, take_b = hf + names[("q", "k", "v")[j]], None, None
-            specs[f"{p}.{w}"] = WeightSpec((D, width), ("embed", axis), f"{src}.weight", lin, hf_take=take_w)
-            if cfg.qkv_bias:
-                specs[f"{p}.{b}"] = WeightSpec((width,), (axis,), f"{src}.bias", init="zeros", hf_take=take_b)
-        specs[f"{p}.wo"] = WeightSpec((Hq, D), ("q_heads", "embed"), f"{hf}{names['o']}.weight", lin)
-        if cfg.o_bias:
-            specs[f"{p}.bo"] = WeightSpec((D,), (None,), f"{hf}{names['o']}.bias", init="zeros")
-        specs[f"{p}.w_up"] = WeightSpec((D, F), ("embed", "mlp"), f"{hf}{names['up']}.weight", lin)
-        specs[f"{p}.w_down"] = WeightSpec((F, D), ("mlp", "embed"), f"{hf}{names['down']}.weight", lin)
-        if cfg.mlp_bias:
-            specs[f"{p}.b_up"] = WeightSpec((F,), ("mlp",), f"{hf}{names['up']}.bias", init="zeros")
-            specs[f"{p}.b_down"] = WeightSpec((D,), (None,), f"{hf}{names['down']}.bias", init="zeros")
+        specs.update(_layer_specs(cfg, names, i))
     # Other writers' names: the base model's checkpoints (and older hub files, e.g. GPT-2's)
     # have no model-level prefix; transformers 5 names NeoX's head lm_head, Pythia embed_out.
     def alt(name: str) -> str | None:
@@ -137,6 +90,71 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         return name[len(pre):] if name.startswith(pre) else None
 
     return {p: dataclasses.replace(s, hf_alt=alt(s.hf_name)) for p, s in specs.items()}
+
+
+def _norm_specs(cfg: ModelConfig, path: str, hf: str) -> dict[str, WeightSpec]:
+    """A LayerNorm's weight, and its bias where the family has them."""
+    D = cfg.hidden_size
+    specs = {path: WeightSpec((D,), (None,), f"{hf}.weight", init="ones")}
+    if cfg.gpt.norm_bias:
+        specs[f"{path}_b"] = WeightSpec((D,), (None,), f"{hf}.bias", init="zeros")
+    return specs
+
+
+def _model_specs(cfg: ModelConfig, names: dict[str, str]) -> dict[str, WeightSpec]:
+    """The weights outside the layers: embeddings, their norm and projections, the final
+    norm, the LM head."""
+    g, pre = cfg.gpt, names["prefix"]
+    D, V = cfg.hidden_size, cfg.vocab_size
+    E = g.project_dim or D                         # embedding width (OPT's word_embed_proj_dim)
+    specs: dict[str, WeightSpec] = {"embed": WeightSpec((V, E), ("vocab", "embed"), f"{pre}{names['embed']}.weight")}
+    if g.positions == "learned":
+        specs["pos_embed"] = WeightSpec((g.num_positions + g.position_offset, D), (None, "embed"),
+                                        f"{pre}{names['pos']}.weight")
+    if g.embed_norm:
+        specs.update(_norm_specs(cfg, "embed_norm", pre + names["embed_norm"]))
+    if g.project_dim:
+        specs["proj_in"] = WeightSpec((E, D), (None, None), f"{pre}{names['proj_in']}.weight", True)
+        specs["proj_out"] = WeightSpec((D, E), (None, None), f"{pre}{names['proj_out']}.weight", True)
+    if g.final_norm:
+        specs.update(_norm_specs(cfg, "final_norm", pre + names["final_norm"]))
+    head = f"{pre}{names['embed']}.weight" if cfg.tie_word_embeddings else names["lm_head"]
+    specs["lm_head"] = WeightSpec((E, V), ("embed", "vocab"), head, transpose=True)
+    return specs
+
+
+def _layer_specs(cfg: ModelConfig, names: dict[str, str], i: int) -> dict[str, WeightSpec]:
+    """Layer ``i``'s weights: its norms, attention (q, k, v cut from a fused matrix where
+    the family fuses them) and MLP, with the biases the family has."""
+    g = cfg.gpt
+    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    Hq, Hkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    lin = not g.conv1d                             # torch Linear: [out, in]; GPT-2's Conv1D: [in, out]
+    hf, p = names["prefix"] + names["layer"].format(i=i), f"layers.{i}"
+    specs: dict[str, WeightSpec] = {}
+    for ours, theirs in _layer_norm_names(cfg, names).items():
+        specs.update(_norm_specs(cfg, f"{p}.{ours}", hf + theirs))
+    for j, (w, b, width, axis) in enumerate((("wq", "bq", Hq, "q_heads"), ("wk", "bk", Hkv, "kv_heads"),
+                                              ("wv", "bv", Hkv, "kv_heads"))):
+        if g.qkv is not None:
+            src = hf + names["qkv"]
+            take_w = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j,
+                                       axis=0 if lin else 1)
+            take_b = functools.partial(fused_part, groups=g.qkv.groups, sizes=g.qkv.sizes, part=j)
+        else:
+            src, take_w, take_b = hf + names[("q", "k", "v")[j]], None, None
+        specs[f"{p}.{w}"] = WeightSpec((D, width), ("embed", axis), f"{src}.weight", lin, hf_take=take_w)
+        if cfg.qkv_bias:
+            specs[f"{p}.{b}"] = WeightSpec((width,), (axis,), f"{src}.bias", init="zeros", hf_take=take_b)
+    specs[f"{p}.wo"] = WeightSpec((Hq, D), ("q_heads", "embed"), f"{hf}{names['o']}.weight", lin)
+    if cfg.o_bias:
+        specs[f"{p}.bo"] = WeightSpec((D,), (None,), f"{hf}{names['o']}.bias", init="zeros")
+    specs[f"{p}.w_up"] = WeightSpec((D, F), ("embed", "mlp"), f"{hf}{names['up']}.weight", lin)
+    specs[f"{p}.w_down"] = WeightSpec((F, D), ("mlp", "embed"), f"{hf}{names['down']}.weight", lin)
+    if cfg.mlp_bias:
+        specs[f"{p}.b_up"] = WeightSpec((F,), ("mlp",), f"{hf}{names['up']}.bias", init="zeros")
+        specs[f"{p}.b_down"] = WeightSpec((D,), (None,), f"{hf}{names['down']}.bias", init="zeros")
+    return specs
 
 
 class GptLayer(DecoderLayer):

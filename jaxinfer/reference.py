@@ -170,19 +170,9 @@ class ReferenceGenerator:
         B, V = len(prompts), self.cfg.vocab_size
         if B == 0:
             return []
-        lens = np.array([len(p) for p in prompts], np.int32)
-        if lens.min() < 1:
-            raise ValueError("prompt: empty token list")
-        seq = _pad_len(max(int(lens.max()), pad_to), 16)
-        # >= 128, a multiple of the attention's KV block: whole blocks per row.
-        max_len = _pad_len(max(seq, pad_to, cache_len, int((lens + [p.max_tokens for p in params]).max())), 128)
-        tokens = np.zeros((B, seq), np.int32)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = p
+        tokens, lens, max_len, prompt_mask = _prompt_batch(prompts, params, V, pad_to, cache_len)
+        seq = tokens.shape[1]
         positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (B, seq))
-        prompt_mask = np.zeros((B, V), bool)
-        for b, p in enumerate(prompts):
-            prompt_mask[b, np.asarray(p)] = True
         # Always the full top-K capacity (SamplingParams bounds logprobs by it), as the
         # engine's sampler: one sampler executable per batch shape whatever the requests
         # ask for (the tokens and each logprob do not depend on K).
@@ -199,21 +189,7 @@ class ReferenceGenerator:
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                     for p in params]
         for step in range(int(max(p.max_tokens for p in params))):
-            tok, lp, top_ids, top_lp = (np.asarray(a) for a in
-                                        (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
-            for b in range(B):
-                if done[b]:
-                    continue
-                r, tid = results[b], int(tok[b])
-                r.token_ids.append(tid)
-                if r.logprobs is not None:
-                    kk = params[b].logprobs or 0
-                    r.logprobs.append(Logprob(tid, float(lp[b]), tuple(
-                        (int(i), float(x)) for i, x in zip(top_ids[b, :kk], top_lp[b, :kk]))))
-                if tid in stop_ids[b]:
-                    done[b], r.finish_reason, r.stop_reason = True, "stop", tid
-                elif len(r.token_ids) >= params[b].max_tokens:
-                    done[b] = True
+            tok = _take_tokens(out, results, done, params, stop_ids)
             if done.all():
                 break
             pos = (lens + step).astype(np.int32)[:, None]
@@ -238,3 +214,42 @@ class ReferenceGenerator:
         mm = M.tiled_matmul if self.invariant else M.matmul
         logits, _ = model(tokens[0], positions[0], self._cache(1, max_len), attn, None, mm)
         return np.asarray(logits)
+
+
+def _prompt_batch(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], vocab_size: int,
+                  pad_to: int, cache_len: int) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """(tokens i32[B, seq] padded, lengths i32[B], the KV cache's positions per row, the
+    prompts' tokens as bool[B, V] for the repetition penalty)."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.min() < 1:
+        raise ValueError("prompt: empty token list")
+    seq = _pad_len(max(int(lens.max()), pad_to), 16)
+    # >= 128, a multiple of the attention's KV block: whole blocks per row.
+    max_len = _pad_len(max(seq, pad_to, cache_len, int((lens + [p.max_tokens for p in params]).max())), 128)
+    tokens = np.zeros((len(prompts), seq), np.int32)
+    prompt_mask = np.zeros((len(prompts), vocab_size), bool)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        prompt_mask[b, np.asarray(p)] = True
+    return tokens, lens, max_len, prompt_mask
+
+
+def _take_tokens(out: S.SampleOutput, results: list[RowResult], done: np.ndarray,
+                 params: Sequence[SamplingParams], stop_ids: list[set[int]]) -> np.ndarray:
+    """One step's sampled tokens into the rows not done yet (their logprobs, a stop token or
+    max_tokens ending them); returns the tokens, i32[B]."""
+    tok, lp, top_ids, top_lp = (np.asarray(a) for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
+    for b, r in enumerate(results):
+        if done[b]:
+            continue
+        tid = int(tok[b])
+        r.token_ids.append(tid)
+        if r.logprobs is not None:
+            kk = params[b].logprobs or 0
+            r.logprobs.append(Logprob(tid, float(lp[b]), tuple(
+                (int(i), float(x)) for i, x in zip(top_ids[b, :kk], top_lp[b, :kk]))))
+        if tid in stop_ids[b]:
+            done[b], r.finish_reason, r.stop_reason = True, "stop", tid
+        elif len(r.token_ids) >= params[b].max_tokens:
+            done[b] = True
+    return tok

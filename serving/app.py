@@ -704,6 +704,16 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
                      on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s,
                      lora_dirs=allowed_dirs(lora_dirs))
+    app = Starlette(routes=_routes(), lifespan=_lifespan(st),
+                    middleware=_middleware(allowed_hosts, allowed_origins),
+                    exception_handlers={HTTPException: _http_error, Exception: _unhandled})
+    app.state.jx = st
+    return app
+
+
+def _lifespan(st: ServerState) -> Callable[[Starlette], Any]:
+    """The app's lifespan: the engine loaded (a factory's, in the background) or ready;
+    at shutdown the load cancelled, the engine shut down and the traces flushed."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -725,7 +735,12 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
             if st.tracing is not None:      # flush the spans still batched
                 await asyncio.to_thread(st.tracing.shutdown)
 
-    routes = [
+    return lifespan
+
+
+def _routes() -> list[Any]:
+    """The API's routes: OpenAI's, LoRA admin, TGI's, health, metrics, the schema and the chat page."""
+    return [
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
@@ -741,10 +756,6 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
         Route("/", endpoint(chat_page, auth=False), methods=["GET"]),
         Mount("/static", StaticFiles(directory=WEB_DIR), name="static"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=_middleware(allowed_hosts, allowed_origins),
-                    exception_handlers={HTTPException: _http_error, Exception: _unhandled})
-    app.state.jx = st
-    return app
 
 
 def _reject_host(scope: dict, message: str) -> Response:

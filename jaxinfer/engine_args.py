@@ -21,7 +21,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every engine flag, in --help order."""
     add_model_args(p)
+    _add_step_args(p)
+    _add_speculative_args(p)
+    _add_startup_args(p)
+    _add_lora_args(p)
+    _add_parallel_args(p)
+
+
+def _add_step_args(p: argparse.ArgumentParser) -> None:
+    """What a step holds (sequences, tokens, KV pages) and how steps run and compile."""
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens")
@@ -55,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep float32 weights that a GGUF dequantized from Q4_1 / Q8_0 blocks as those "
                         "exact codes (1.25 bytes a weight instead of 4; the kernel computes with the "
                         "same floats, so the same tokens); --no-weight-codes keeps the floats")
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=["ngram", "self", "draft"], default=None,
                    help="propose tokens and verify them in one step (greedy and seeded outputs "
@@ -81,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4}\' (methods ngram, self, draft_model; keys model, '
                         'prompt_lookup_min, disable_by_batch_size, quantization, draft_layers, tree_width): its '
                         'keys override the flags above; not with --speculative-method')
+
+
+def _add_startup_args(p: argparse.ArgumentParser) -> None:
+    """Caches a start reuses, the warm-up, and the weights' and KV pages' form and place."""
     p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
                    help="JAX persistent compilation cache dir ('' to disable)")
     # (the config's own "~/..." default: a process that chose another default keeps it)
@@ -104,6 +122,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and are streamed to the device a layer ahead of use")
     p.add_argument("--device-weight-memory", type=byte_size, default=None, metavar="BYTES",
                    help="device budget for resident weights with --offload-weights host, e.g. 2G")
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters."""
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve PEFT LoRA adapters beside the base model (implied by --lora-modules)")
@@ -114,6 +136,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (<= 64)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters loaded at once, in host memory (default: 4 x --max-loras)")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor, data and pipeline parallelism; multi-host."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=tp_size, default=None,
                    help="devices one model is split over (Megatron-style, within a replica); "

@@ -65,7 +65,7 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
     """``loras``: the engine's lora.LoraRegistry (multi-LoRA on) or None; ``model_config``
     the loaded model's ModelConfig (before any KV-head repeat), which adapters are read for;
     ``stack_kv`` False: the per-layer KV pool (a 'self' draft steps on its first layers);
-    ``samplers``: sampler executables compiled already, by width (Engine._samplers_first)."""
+    ``samplers``: sampler executables compiled already, by width (build.samplers_first)."""
     from jaxinfer.engine.runner import ModelRunner
 
     c = config

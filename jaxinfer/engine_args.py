@@ -34,6 +34,10 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     """What a step holds (sequences, tokens, KV pages) and how steps run and compile."""
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="most tokens a prompt's chunk takes per step while other requests share the "
+                        "engine, so a long prompt does not stall them (default: a sixteenth of "
+                        "--max-num-batched-tokens; 0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
@@ -218,6 +222,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         dtype=args.dtype, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs or default_max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
         host_kv_cache_memory=args.host_kv_cache_memory,
         num_scheduler_steps=args.num_scheduler_steps, warmup=getattr(args, "warmup", None) or default_warmup,

@@ -37,7 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512        # tokens in one step (chunked prefill budget)
     # vLLM's: the most tokens a prefill chunk takes per step while other requests share the
     # engine (a lone prompt still gets the whole budget), so a long prompt does not stall
-    # them (engine/scheduler.py). None = auto (max_num_batched_tokens // 4), 0 = no cap.
+    # them (engine/scheduler.py). None = auto (max_num_batched_tokens // 16), 0 = no cap.
     long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None         # prompt + output; default min(model's, 4096)
     max_waiting: int | None = 4096           # waiting sequences before QueueFullError

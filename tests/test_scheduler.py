@@ -82,9 +82,10 @@ def run_step(sched: Scheduler, model: FakeModel, max_model_len: int | None = Non
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=8, budget=64, max_model_len=256,
-         max_waiting=None, prefix_caching=False):
+         max_waiting=None, prefix_caching=False, cap=0, prefill_shapes=None):
     bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(bm, max_num_seqs, budget, max_model_len, max_waiting), FakeModel(bm)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, max_waiting, prefill_shapes=prefill_shapes,
+                     long_prefill_token_threshold=cap), FakeModel(bm)
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1,
@@ -359,16 +360,18 @@ def test_postprocess_needs_sampled_tokens_and_rejects_replays():
         sched2.postprocess(out, sampled)
 
 
+@pytest.mark.parametrize("cap", [0, 5])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_randomized_simulation(seed, prefix_caching):
+def test_randomized_simulation(seed, prefix_caching, cap):
+    """``cap``: long_prefill_token_threshold (0: off)."""
     rng = random.Random(seed)
     ps = rng.choice([2, 4, 8])
     max_model_len = 96
     num_pages = rng.randrange(max_model_len // ps + 2, 3 * max_model_len // ps)
     sched, model = make(num_pages=num_pages, page_size=ps, max_num_seqs=rng.choice([2, 4, 8]),
                         budget=rng.choice([8, 16, 48]), max_model_len=max_model_len,
-                        max_waiting=rng.choice([None, 12]), prefix_caching=prefix_caching)
+                        max_waiting=rng.choice([None, 12]), prefix_caching=prefix_caching, cap=cap)
     shared_prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     all_seqs: list[Sequence] = []
     aborted: set[int] = set()
@@ -590,3 +593,157 @@ def test_default_prefill_shapes_pad_a_prompt_at_most_twice(max_num_seqs, budget)
     for n in range(1, min(budget, 512) + 1):
         b = lad.choose(0, [n], 1)
         assert b.num_prefill * b.prefill_chunk <= max(32, 2 * n), (n, b)
+
+
+# ---- long prefills (long_prefill_token_threshold) ------------------------------------
+
+def chunk_of(out: SchedulerOutput, seq: Sequence) -> int:
+    """Tokens ``seq`` computes in this step (0: not scheduled)."""
+    return sum(e.num_new_tokens for e in out.scheduled if e.seq is seq)
+
+
+def run_long_beside_short(cap: int) -> tuple[list[int], int, int]:
+    """A 400-token prompt prefills alone for a step, then a 10-token one arrives -> (the
+    long one's chunk per step, the step the short one finished, the step the long one got
+    its first token)."""
+    sched, model = make(budget=64, max_model_len=512, num_pages=160, cap=cap)
+    (long,) = add(sched, "long", 400, max_tokens=2)
+    chunks, short_done, long_first = [], None, None
+    short = None
+    step = 0
+    while sched.has_unfinished():
+        out = run_step(sched, model)
+        step += 1
+        chunks.append(chunk_of(out, long))
+        if short is None:
+            (short,) = add(sched, "short", 10, max_tokens=4)
+        if short_done is None and short.status is SequenceStatus.FINISHED:
+            short_done = step
+        if long_first is None and long.num_output_tokens:
+            long_first = step
+    assert_outputs_exact([long, short])
+    assert_no_leak(sched)
+    return chunks, short_done, long_first
+
+
+def test_a_long_prefill_is_capped_so_a_short_request_arriving_runs_at_once():
+    """From the step after the short request arrives, the long prompt's chunk is cut to the
+    threshold and the short one is admitted with the budget it left: it prefills, decodes
+    and finishes while the long one is still prefilling, and the long one computes a chunk
+    every step, back to the whole budget once it is alone again. Without the cap, the short
+    one waits for the whole 400-token prefill."""
+    chunks, short_done, long_first = run_long_beside_short(cap=16)
+    # step 1 alone: 64; steps 2-5 beside the short one (admitted at step 2, 4 tokens): 16
+    assert chunks[:6] == [64, 16, 16, 16, 16, 64]
+    assert short_done == 5 < long_first
+    assert all(chunks[:long_first])                       # the long one progressed every step
+
+    chunks, short_done, long_first = run_long_beside_short(cap=0)
+    assert chunks[:7] == [64] * 6 + [16] and short_done > long_first
+
+
+def test_a_lone_long_prompt_is_not_capped():
+    """Alone, or with only its own ``n`` samples waiting for its prompt pages, or beside a
+    request that has no seat (it could not run this step anyway), a prompt prefills at the
+    whole budget."""
+    sched, model = make(budget=64, max_model_len=512, num_pages=160, cap=16)
+    (seq,) = add(sched, "alone", 300, max_tokens=1)
+    assert [chunk_of(run_step(sched, model), seq) for _ in range(5)] == [64, 64, 64, 64, 44]
+
+    sched, model = make(budget=64, max_model_len=512, num_pages=200, cap=16)
+    first, *others = add(sched, "n3", 300, max_tokens=1, n=3)
+    assert [chunk_of(run_step(sched, model), first) for _ in range(4)] == [64, 64, 64, 64]
+
+    sched, model = make(budget=64, max_model_len=512, num_pages=160, cap=16, max_num_seqs=1)
+    (seq,) = add(sched, "seated", 300, max_tokens=1)
+    add(sched, "no-seat", 5, max_tokens=1)
+    assert [chunk_of(run_step(sched, model), seq) for _ in range(3)] == [64, 64, 64]
+
+
+def test_a_long_prompt_arriving_beside_decodes_is_capped_at_admission():
+    """Admission cuts the first chunk too: a long prompt that arrives while another request
+    decodes starts with the threshold, not the budget left, and the decode stays in the step."""
+    sched, model = make(budget=64, max_model_len=512, num_pages=160, cap=16)
+    (dec,) = add(sched, "decoding", 4, max_tokens=50)
+    run_step(sched, model)
+    (long,) = add(sched, "long", 200, max_tokens=1)
+    out = run_step(sched, model)
+    assert (chunk_of(out, dec), chunk_of(out, long)) == (1, 16)
+
+
+def test_the_long_prefill_progresses_under_a_stream_of_short_requests():
+    """A short request arriving every step keeps the engine shared for the whole prefill:
+    the long prompt still gets its capped chunk every step (running sequences are served
+    before admission), and every request ends with exactly its tokens."""
+    sched, model = make(budget=32, max_model_len=512, num_pages=200, cap=8, max_num_seqs=16)
+    (long,) = add(sched, "long", 240, max_tokens=2)
+    seqs = [long]
+    for i in range(60):
+        if long.num_output_tokens:
+            break
+        seqs += add(sched, f"s{i}", 6, max_tokens=3)
+        left = long.num_prompt_tokens - long.num_computed_tokens
+        assert chunk_of(run_step(sched, model), long) == min(8, left)
+    else:
+        pytest.fail("the long prompt starved")
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact(seqs)
+    assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("shapes, threshold, cap", [
+    (((1, 32), (2, 32), (4, 32)), 20, 32),         # slots of 32: whole slots
+    (((1, 32), (2, 32), (4, 32)), 40, 64),
+    (((1, 32), (1, 64), (1, 128)), 100, 128),      # one-slot shapes (max_num_seqs 1)
+    (((1, 32), (2, 32), (4, 32)), 0, 0),           # off
+])
+def test_the_cap_is_whole_prefill_slots_and_every_step_fits_a_bucket(shapes, threshold, cap):
+    """The threshold is rounded up to whole slots of the narrowest compiled chunk (a chunk
+    pads to whole slots: the rest of the slot would compute nothing); a long prompt with
+    short ones arriving beside it: every step's chunks fit one compiled shape and build."""
+    from jaxinfer.engine.batch import BucketLadders, build_step, pieces
+
+    sched, model = make(budget=128, max_model_len=1024, num_pages=400, cap=threshold, prefill_shapes=shapes)
+    assert sched.long_prefill_cap == cap
+    ladders = BucketLadders((1, 2, 4, 8), (0, 8), shapes, (256,))
+    (long,) = add(sched, "long", 700, max_tokens=2)
+    seqs, rows = [long], {}
+    for i in range(200):
+        if i < 12:
+            seqs += add(sched, f"s{i}", 3 + 7 * i, max_tokens=3)
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        chunks = [e.num_new_tokens for e in out.scheduled if e.num_new_tokens > 1]
+        assert any(pieces(chunks, c) <= n for n, c in shapes), chunks
+        if cap and len(out.scheduled) > 1:                # shared: the long one is capped
+            assert chunk_of(out, long) <= cap
+        for e in out.scheduled:
+            rows.setdefault(e.seq.seq_id, len(rows) + 1)
+        build_step(out.scheduled, ladders, 4, rows)
+        for seq in sched.postprocess(out, model.step(out)):
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+    assert_outputs_exact(seqs)
+    assert_no_leak(sched)
+
+
+def test_long_prefill_token_threshold_is_validated_and_resolved():
+    """EngineConfig / the scheduler refuse a negative or non-integer threshold; None (auto)
+    resolves to a sixteenth of the budget; the CLI flag reaches the config."""
+    from jaxinfer.engine.scheduler import long_prefill_threshold
+    from jaxinfer.engine_args import engine_config
+    from jaxinfer.engine_config import EngineConfig
+    from serving.cli import build_parser
+
+    for bad in (-1, True, 1.5, "64"):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            EngineConfig(long_prefill_token_threshold=bad)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make(cap=-1)
+    assert long_prefill_threshold(None, 512) == 32 and long_prefill_threshold(None, 8) == 1
+    assert long_prefill_threshold(0, 512) == 0 and long_prefill_threshold(300, 512) == 300
+    assert engine_config(build_parser().parse_args(["serve"]), 32).long_prefill_token_threshold is None
+    args = build_parser().parse_args(["serve", "--long-prefill-token-threshold", "0"])
+    assert engine_config(args, 32).long_prefill_token_threshold == 0

@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxinfer.engine.batch import PAD_ROW
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, long_prefill_threshold
 from jaxinfer.engine.sequence import Sequence
 
 
@@ -72,7 +72,9 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
     bm = BlockManager(kv_spec.num_pages, c.page_size, c.enable_prefix_caching,
                       num_host_pages=num_host_pages, record_freed=c.debug_poison_freed_pages)
     sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, max_model_len, c.max_waiting,
-                      prefill_shapes=ladders.prefill_shapes, max_loras=c.max_loras if loras else None)
+                      prefill_shapes=ladders.prefill_shapes, max_loras=c.max_loras if loras else None,
+                      long_prefill_token_threshold=long_prefill_threshold(c.long_prefill_token_threshold,
+                                                                          c.max_num_batched_tokens))
     offload_layers: tuple[int, ...] = ()
     if c.offload_weights == "host":
         from jaxinfer.engine import offload

@@ -26,6 +26,14 @@ itself, and calls ``finish``.
    allow; the first chunk may be partial. When the head of the queue does not fit,
    admission stops: later, smaller requests never overtake it, so nothing starves.
 
+Long prefills (``long_prefill_token_threshold``, vLLM's knob): while other work shares the
+engine (another running sequence, or a waiting one that has a seat), a prefill chunk
+(running or admitted) is cut to the threshold, so a 3,500-token prompt no longer takes the
+whole budget for seven steps while the requests behind it wait: the budget it leaves
+admits them in the same step, and the steps that carry their decodes stay short. It still
+gets its chunk every step (running sequences are served before admission), so it cannot
+starve. Alone, it prefills at the full budget.
+
 Sampling several completions (``n > 1``): the request becomes ``n`` sequences (see
 ``sequence.make_sequences``) added together. Their full prompt pages are computed once:
 while one sibling is still prefilling that part, the others wait (they are skipped by
@@ -64,6 +72,7 @@ raises RuntimeError.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -134,14 +143,48 @@ class _PrefillSlots:
         return n
 
 
+# Auto threshold: max_num_batched_tokens // this = 32 of the default 512, one slot of the
+# default prefill ladder. Measured (SmolLM2-135M, 2 CPU cores, `benchmarks/long_prefill.py
+# --engine-sweep`: a 3,500-token prompt, 20 completions of 16 tokens added beside it): the
+# completions took 1.5-1.6x their time alone at 32, 1.8-2.5x at 64, 3.5x and more at 128
+# (each of their decode steps also carries the chunk, whose attention over the long
+# prompt's KV dominates on a CPU), 3.7-7x uncapped; the long prompt's first token came
+# within the run-to-run noise of its time alone. A device where a step's fixed cost
+# dominates may want a larger one (the long prompt then needs fewer steps).
+LONG_PREFILL_FRACTION = 16
+
+
+def long_prefill_threshold(value: int | None, max_num_batched_tokens: int) -> int:
+    """EngineConfig.long_prefill_token_threshold resolved: None (auto) ->
+    max_num_batched_tokens // LONG_PREFILL_FRACTION (at least 1); 0: no cap."""
+    if value is None:
+        return max(1, max_num_batched_tokens // LONG_PREFILL_FRACTION)
+    return value
+
+
+def _slot_multiple(threshold: int, shapes: Seq[tuple[int, int]] | None) -> int:
+    """``threshold`` rounded up to whole slots of the narrowest compiled prefill slot: a
+    chunk pads to whole slots anyway (_PrefillSlots), so the rest of the slot would cost the
+    same and compute nothing; and no capped chunk is ever a 1-token one, which would ride
+    in a decode slot."""
+    if threshold == 0 or not shapes:
+        return threshold
+    c = min(c for _, c in shapes)
+    return -(-threshold // c) * c
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_waiting: int | None = None, *,
-                 prefill_shapes: Seq[tuple[int, int]] | None = None, max_loras: int | None = None) -> None:
+                 prefill_shapes: Seq[tuple[int, int]] | None = None, max_loras: int | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        v = long_prefill_token_threshold
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise ValueError(f"long_prefill_token_threshold: must be a non-negative integer, got {v!r}")
         if max_waiting is not None and not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ValueError(f"max_waiting: must be a positive integer or None, got {max_waiting!r}")
         self.bm = block_manager
@@ -151,6 +194,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         # Bucket shapes for prefill chunks (see _PrefillSlots); default: no constraint.
         self.prefill_shapes = tuple(prefill_shapes) if prefill_shapes else None
+        # The most tokens one prefill chunk gets while other work shares the step (0: no cap).
+        self.long_prefill_cap = _slot_multiple(long_prefill_token_threshold, self.prefill_shapes)
         # Multi-LoRA: at most this many distinct adapters (Sequence.lora_id != 0) run at
         # once, the device's adapter slots (None: no limit).
         self.max_loras = max_loras
@@ -311,6 +356,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         slots = _PrefillSlots(self.prefill_shapes)
 
+        cap = self._chunk_cap()
         decodes = [s for s in self.running if s.num_new_tokens_needed == 1]
         prefills = [s for s in self.running if s.num_new_tokens_needed > 1]
         for seq in decodes + prefills:
@@ -319,7 +365,7 @@ class Scheduler:
             if seq.status is not _RUNNING:            # preempted earlier in this loop
                 continue
             draft = tuple(drafts.get(seq.seq_id, ()))[:budget - 1] if seq.num_new_tokens_needed == 1 else ()
-            num_new = 1 + len(draft) if draft else slots.take(min(seq.num_new_tokens_needed, budget))
+            num_new = 1 + len(draft) if draft else slots.take(min(seq.num_new_tokens_needed, budget, cap))
             if num_new == 0:
                 continue
             target = seq.num_computed_tokens + num_new
@@ -339,7 +385,7 @@ class Scheduler:
                 budget -= num_new
 
         if not preempted:
-            budget = self._admit(budget, chosen, slots)
+            budget = self._admit(budget, chosen, slots, cap)
 
         scheduled = list(chosen.values())
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
@@ -427,7 +473,23 @@ class Scheduler:
             return 0                                  # a beam of an admitted search: reserved
         return seq.params.beam_width
 
-    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots) -> int:
+    def _chunk_cap(self) -> int:
+        """The most tokens one prefill chunk may take this step: ``long_prefill_cap`` while
+        sequences of at least two requests could run (the running ones and as many waiting
+        ones as there are free seats), else the whole budget, so a lone prompt (or a lone
+        request's ``n`` samples or beams) prefills at full speed."""
+        if not self.long_prefill_cap:
+            return self.max_num_batched_tokens
+        free = max(0, self.max_num_seqs - self._seats_taken())
+        first = None
+        for seq in itertools.chain(self.running, self.waiting[:free]):
+            if first is None:
+                first = seq.request_id
+            elif seq.request_id != first:
+                return self.long_prefill_cap
+        return self.max_num_batched_tokens
+
+    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots, cap: int) -> int:
         i = 0
         seats = self._seats_taken()
         while i < len(self.waiting) and budget > 0:
@@ -439,7 +501,7 @@ class Scheduler:
                 i += 1
                 continue
             cached = len(prefix) * self.bm.page_size
-            num_new = slots.take(min(seq.num_tokens - cached, budget))
+            num_new = slots.take(min(seq.num_tokens - cached, budget, cap))
             if num_new == 0:
                 break                                 # no prefill slot left this step
             target = cached + num_new

@@ -24,9 +24,10 @@ import time
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
+# Required test dependencies (pyproject's test extra): a missing one fails, never skips.
+import compressed_tensors  # noqa: E402,F401
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from test_hf_oracle import FAMILIES, TINY, tiny_tokenizer_files  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402

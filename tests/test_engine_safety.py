@@ -18,24 +18,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import httpx
-import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mock_engine import free_port, serve_in_thread  # noqa: E402
+from mock_engine import serve_in_thread  # noqa: E402
 from test_serving import sse_events, wait_for  # noqa: E402
+from test_serving_engine import server_process  # noqa: E402
 from tiny_server import MODEL_NAME, tiny_async_engine  # noqa: E402
 
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from serving.app import build_app  # noqa: E402
 from serving.openapi import openapi_schema  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CMPL, CHAT, TGI = "/v1/completions", "/v1/chat/completions", "/generate"
 BASE = {CMPL: {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3},
         CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
@@ -301,22 +299,7 @@ def test_a_failed_step_frees_pages_in_flight_mid_generation(server):
 # ------------------------------------------------------------- a lost device ends the process
 
 def test_lost_device_state_fails_in_flight_and_the_server_exits_nonzero():
-    port = free_port()
-    cmd = [sys.executable, os.path.join(REPO, "tests", "tiny_server.py"), "--port", str(port),
-           "--shutdown-timeout", "5", "--lose-device-at-step", "3",
-           "--compile-cache", jax.config.jax_compilation_cache_dir or ""]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        try:
-            return httpx.get(url + "/health", timeout=1).json().get("status") == "ready"
-        except (httpx.HTTPError, ValueError):
-            return proc.poll() is not None
-
-    try:
-        assert wait_for(ready, timeout=180) and proc.poll() is None, proc.communicate()[0]
+    with server_process(None, "--shutdown-timeout", "5", "--lose-device-at-step", "3") as (proc, url):
         body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + CMPL, json=body, timeout=60) as r:
             events = sse_events(list(r.iter_lines()))
@@ -324,9 +307,6 @@ def test_lost_device_state_fails_in_flight_and_the_server_exits_nonzero():
         assert proc.wait(timeout=60) == 1
         out = proc.stdout.read()
         assert "the engine has stopped" in out and "exiting" in out, out[-2000:]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_sampling_params_bounds_are_closed():

@@ -229,10 +229,13 @@ def test_metrics_counters_move_by_what_was_served(server):
 # ---------------------------------------------------------------------- SIGTERM
 
 @contextlib.contextmanager
-def server_process(default_gguf_path):
+def server_process(default_gguf_path, *options: str):
+    """tests/tiny_server.py in a process of its own, ready; ``options``: its flags (default:
+    a 20 s shutdown timeout and STEP_DELAY per step) -> (process, base URL)."""
+    options = options or ("--shutdown-timeout", "20", "--step-delay", str(STEP_DELAY))
     port = free_port()
-    cmd = [sys.executable, os.path.join(REPO, "tests", "tiny_server.py"), "--port", str(port),
-           "--shutdown-timeout", "20", "--step-delay", str(STEP_DELAY), "--compile-cache", jax.config.jax_compilation_cache_dir or ""]
+    cmd = [sys.executable, os.path.join(REPO, "tests", "tiny_server.py"), "--port", str(port), *options,
+           "--compile-cache", jax.config.jax_compilation_cache_dir or ""]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

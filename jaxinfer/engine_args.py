@@ -56,6 +56,9 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: up to this many decode steps per device call while "
                         "nothing waits for a prefill (single device; outputs stream in runs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the overlapped step loop: schedule and dispatch step N+1 while step N runs "
+                        "(same outputs; --no-async-scheduling: the synchronous loop)")
     p.add_argument("--min-sampler-rows", type=int, default=None, metavar="N",
                    help="the sampler sees at least N rows per step (a step's sequences rounded up "
                         "to a power of two otherwise); default: the widest any step needs, so one "
@@ -225,7 +228,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
         host_kv_cache_memory=args.host_kv_cache_memory,
-        num_scheduler_steps=args.num_scheduler_steps, warmup=getattr(args, "warmup", None) or default_warmup,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling, warmup=getattr(args, "warmup", None) or default_warmup,
         compilation_cache_dir=args.compilation_cache or None, weight_cache_dir=args.weight_cache or None,
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else 0 if args.coordinator else 1),

@@ -91,6 +91,14 @@ class EngineConfig:
     # a step (large at batch 1: RESULTS.md); outputs stream in runs of this many tokens. Same
     # tokens as 1 (tests/test_multi_step.py). Single device, one process.
     num_scheduler_steps: int = 1
+    # The overlapped step loop (vLLM's async scheduling, SGLang's overlap scheduler;
+    # engine/engine.py): step N+1 is scheduled, built and dispatched while step N runs on
+    # the device, fed N's tokens on the device; N's results reach the host while N+1 runs,
+    # and stops are seen a step late (the extra token is dropped): the same outputs as the
+    # synchronous loop (False). Runs synchronous steps where the loop cannot overlap:
+    # speculative decoding, multi-step decode, several processes (Engine.stats()
+    # "async_scheduling" says which and why).
+    async_scheduling: bool = True
     # Speculative decoding (engine/speculative.py): None | "ngram" (prompt lookup: the
     # tokens that followed the latest earlier occurrence of the sequence's last n tokens,
     # n from ngram_prompt_lookup_max down to ngram_prompt_lookup_min) | "self" (the target

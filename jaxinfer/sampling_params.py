@@ -322,5 +322,13 @@ class SamplingParams:
         """Whether the sampler's token mask has work for this request."""
         return self.guided is not None or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
+    @property
+    def needs_host_between_steps(self) -> bool:
+        """A step of this request needs its previous token on the host: a token mask built
+        from it (constrained), the watermark's green list seeded by it, a beam search's
+        or a scoring request's step after the search (engine/search.py). The overlapped
+        loop does not schedule such a sequence while its last token is in flight."""
+        return self.constrained or self.watermark is not None or self.beam_width > 1 or self.max_tokens == 0
+
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

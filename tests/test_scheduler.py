@@ -47,7 +47,7 @@ class FakeModel:
             assert 0 not in seq.page_ids
             assert e.start_pos == seq.num_computed_tokens and e.num_new_tokens >= 1
             assert len(seq.page_ids) * ps >= e.start_pos + e.num_new_tokens
-            toks = seq.token_ids_slice(e.start_pos, e.start_pos + e.num_new_tokens)
+            toks = tokens(seq, e.start_pos, e.start_pos + e.num_new_tokens)
             for j, t in enumerate(toks):
                 pos = e.start_pos + j
                 page = seq.page_ids[pos // ps]
@@ -58,11 +58,23 @@ class FakeModel:
             seq = e.seq
             end = e.start_pos + e.num_new_tokens
             assert e.samples == (end == seq.num_tokens)
+            # a length stop is known ahead: its last token is never fed (no look-ahead past it)
+            assert end <= seq.num_prompt_tokens + seq.params.max_tokens - 1 or seq.num_output_tokens == 0
             ctx = [self.slots[seq.page_ids[p // ps]][p % ps] for p in range(end)]
-            assert ctx == [(t, p) for p, t in enumerate(seq.token_ids_slice(0, end))], "KV context mismatch"
+            assert ctx == [(t, p) for p, t in enumerate(tokens(seq, 0, end))], "KV context mismatch"
             # Every row gets a token, as a real step would; postprocess must ignore non-samplers.
-            sampled[seq.seq_id] = expected_token(seq, seq.num_output_tokens) if e.samples else -1
+            index = seq.num_output_tokens + seq.num_pending
+            sampled[seq.seq_id] = expected_token(seq, index) if e.samples else -1
         return sampled
+
+
+def tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of ``seq`` as the device sees them: a pending one (sampled by a
+    step in flight, the overlapped loop) is the token that step samples."""
+    known = seq.token_ids_slice(start, min(end, seq.num_known_tokens))
+    pending = [expected_token(seq, p - seq.num_prompt_tokens) for p in range(max(start, seq.num_known_tokens), end)]
+    assert len(pending) <= seq.num_pending, "fed a token nobody sampled"
+    return known + pending
 
 
 def run_step(sched: Scheduler, model: FakeModel, max_model_len: int | None = None) -> SchedulerOutput:
@@ -79,6 +91,31 @@ def run_step(sched: Scheduler, model: FakeModel, max_model_len: int | None = Non
         elif max_model_len is not None and seq.num_tokens >= max_model_len:
             sched.finish(seq, "length")
     return out
+
+
+def engine_stops(sched: Scheduler, grew: list[Sequence], max_model_len: int | None) -> None:
+    """The engine's stop logic: max_tokens, or the model's length limit."""
+    for seq in grew:
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq, "length")
+        elif max_model_len is not None and seq.num_known_tokens >= max_model_len:
+            sched.finish(seq, "length")
+
+
+def run_step_overlapped(sched: Scheduler, model: FakeModel, max_model_len: int,
+                        in_flight: list[tuple[SchedulerOutput, dict]]) -> None:
+    """The overlapped loop's order (engine.py): schedule and commit step N+1 while step N
+    is in flight, then resolve step N (its stops seen a step late)."""
+    out = sched.schedule()
+    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert sched.num_running <= sched.max_num_seqs
+    if out.scheduled:
+        sampled = model.step(out)
+        sched.commit(out)
+        in_flight.append((out, sampled))
+    while len(in_flight) > (1 if out.scheduled else 0):
+        done, sampled = in_flight.pop(0)
+        engine_stops(sched, sched.resolve(done, sampled), max_model_len)
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=8, budget=64, max_model_len=256,
@@ -360,11 +397,14 @@ def test_postprocess_needs_sampled_tokens_and_rejects_replays():
         sched2.postprocess(out, sampled)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("cap", [0, 5])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_randomized_simulation(seed, prefix_caching, cap):
-    """``cap``: long_prefill_token_threshold (0: off)."""
+def test_randomized_simulation(seed, prefix_caching, cap, overlap):
+    """``cap``: long_prefill_token_threshold (0: off); ``overlap``: the overlapped loop's
+    order (commit at dispatch, resolve a step later): every sequence still gets exactly its
+    tokens, none past its limit, and every page comes back."""
     rng = random.Random(seed)
     ps = rng.choice([2, 4, 8])
     max_model_len = 96
@@ -375,6 +415,7 @@ def test_randomized_simulation(seed, prefix_caching, cap):
     shared_prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     all_seqs: list[Sequence] = []
     aborted: set[int] = set()
+    in_flight: list = []
     n_req = 0
     for step in range(5000):
         if n_req < 60 and rng.random() < 0.3:
@@ -400,9 +441,12 @@ def test_randomized_simulation(seed, prefix_caching, cap):
         if all_seqs and rng.random() < 0.02:
             rid = rng.choice(all_seqs).request_id
             aborted.update(s.seq_id for s in sched.abort(rid))
-        if n_req >= 60 and not sched.has_unfinished():
+        if n_req >= 60 and not sched.has_unfinished() and not in_flight:
             break
-        run_step(sched, model, max_model_len)
+        if overlap:
+            run_step_overlapped(sched, model, max_model_len, in_flight)
+        else:
+            run_step(sched, model, max_model_len)
         check_refcounts(sched, all_seqs)
     else:
         pytest.fail("simulation did not drain: a request starved")

@@ -245,8 +245,14 @@ class StepBatch:
     # (entry, first row in T, first position, count) per run of scored positions.
     score_targets: np.ndarray   # i32[T]
     score_k: np.ndarray         # i32[T]
+    # The overlapped loop: the penalty-state row whose kept token (the one the step in
+    # flight samples) a position is fed, on the device (runner.feed_kept); -1: ``tokens``.
+    feed_rows: np.ndarray       # i32[T]
     # The sampler's S' rows (Bucket.sample_rows): row i samples slot i's logits.
     sample_rows: np.ndarray     # i32[S'] penalty-state row of each sampler row
+    # i32[S'] the penalty-state row under which each sampler row's token is kept on the
+    # device for the next step to feed (runner.last_tokens; -1: not kept)
+    keep_rows: np.ndarray
     sampling: Any               # sampler.SamplingTensors of S' rows (numpy)
     entries: list[tuple[int, ScheduledSeq]] = field(default_factory=list)   # (slot, entry)
     scored: list[tuple[ScheduledSeq, int, int, int]] = field(default_factory=list)
@@ -295,7 +301,11 @@ def build_step(scheduled: Seq[ScheduledSeq], ladders: BucketLadders, page_size: 
             slot += 1
     sample_rows = np.full(b.sample_rows, PAD_ROW, np.int32)
     sample_rows[:b.num_seqs] = w.arrays["rows"]
-    return StepBatch(b, **w.arrays, sample_rows=sample_rows,
+    keep_rows = np.full(b.sample_rows, -1, np.int32)
+    for slot, e in w.entries:
+        if e.samples and not e.draft:
+            keep_rows[slot] = rows_of[e.seq.seq_id]
+    return StepBatch(b, **w.arrays, sample_rows=sample_rows, keep_rows=keep_rows,
                      sampling=sampling_rows(b.sample_rows, w.entries, requests),
                      entries=w.entries, scored=w.scored,
                      token_mask=token_mask(b.sample_rows, w.entries, requests, vocab_size))
@@ -314,7 +324,7 @@ def padded_arrays(b: Bucket, page_size: int) -> dict[str, np.ndarray]:
     a = {k: np.zeros(shape, dt) for k, (shape, dt) in step_array_shapes(b).items()}
     a["slot_mapping"] += np.arange(b.num_tokens, dtype=np.int32) % page_size
     a["rows"][:] = a["token_rows"][:] = PAD_ROW
-    a["score_k"][:] = -1
+    a["score_k"][:] = a["feed_rows"][:] = -1
     return a
 
 
@@ -338,11 +348,16 @@ class _SlotWriter:
         a, seq, page_size = self.arrays, e.seq, self.page_size
         end = start + n
         sl = slice(first_token, first_token + n)
-        a["tokens"][sl] = seq.token_ids_slice(start, end) if token is None else token
+        row = self.rows_of[seq.seq_id]
+        if token is not None:
+            a["tokens"][sl] = token
+        elif end <= seq.num_known_tokens:
+            a["tokens"][sl] = seq.token_ids_slice(start, end)
+        else:
+            self._feed_pending(seq, first_token, start, end, row)
         pos = np.arange(start, end, dtype=np.int32)
         a["positions"][sl] = pos
         a["slot_mapping"][sl] = pages[pos // page_size] * page_size + pos % page_size
-        row = self.rows_of[seq.seq_id]
         # a draft token is not counted (it may be rejected; engine/speculative.py)
         a["token_rows"][sl] = row if token is None else PAD_ROW
         a["token_is_output"][sl] = pos >= seq.num_prompt_tokens
@@ -359,6 +374,17 @@ class _SlotWriter:
         if last:
             self.entries.append((slot, e))
         self._score(e, first_token, start, end)
+
+    def _feed_pending(self, seq: Any, first_token: int, start: int, end: int, row: int) -> None:
+        """Tokens [start, end) of which the last is still on the device (the overlapped
+        loop: sampled by the step in flight): the host ones as usual, the last fed on the
+        device from the sequence's row of the runner's kept tokens (``feed_rows``)."""
+        known = seq.num_known_tokens
+        if end - known != 1 or seq.num_pending != 1:
+            raise RuntimeError(f"batch: {seq!r} scheduled {end - known} tokens past its known ones "
+                               f"({seq.num_pending} pending): only the last may be in flight")
+        self.arrays["tokens"][first_token:first_token + known - start] = seq.token_ids_slice(start, known)
+        self.arrays["feed_rows"][first_token + known - start] = row
 
     def _score(self, e: ScheduledSeq, first_token: int, start: int, end: int) -> None:
         """Position p is scored against prompt token p + 1 (the prompt's last position
@@ -386,9 +412,12 @@ def sampling_rows(n: int, entries: Seq[tuple[int, ScheduledSeq]],
     for slot, e in entries:
         seed = requests[e.seq.request_id].seeds[e.seq.sample_index]
         end = e.start_pos + e.num_new_tokens - len(e.draft)
-        for j, fed in enumerate(e.seq.token_ids_slice(end - 1, end) + list(e.draft)):
+        # a pending last token (the overlapped loop) is fed on the device: only the
+        # watermark reads it here, and its requests wait for it (needs_host_between_steps)
+        last = e.seq.token_ids_slice(end - 1, end) if end <= e.seq.num_known_tokens else [0]
+        for j, fed in enumerate(last + list(e.draft)):
             params[slot + j], seeds[slot + j] = e.seq.params, seed
-            steps[slot + j] = e.seq.num_output_tokens + j
+            steps[slot + j] = e.seq.num_output_tokens + e.seq.num_pending + j
             prev[slot + j] = fed               # the watermark's green list follows it
             if j and e.seq.params.penalized:
                 draft_before[slot + j] = e.draft[:j]
@@ -432,7 +461,7 @@ STEP_ARRAYS: dict[str, tuple[str, type]] = {
     "kv_lens": ("S", np.int32), "q_lens": ("S", np.int32), "page_table": ("SP", np.int32),
     "logits_index": ("S", np.int32), "rows": ("S", np.int32), "reset_rows": ("S", np.bool_),
     "token_rows": ("T", np.int32), "token_is_output": ("T", np.bool_), "lora_slots": ("T", np.int32),
-    "score_targets": ("T", np.int32), "score_k": ("T", np.int32),
+    "score_targets": ("T", np.int32), "score_k": ("T", np.int32), "feed_rows": ("T", np.int32),
 }
 
 
@@ -452,4 +481,5 @@ def step_args(batch: StepBatch) -> dict[str, Any]:
     """The step's host arrays as a forward and its sampler take them (and multi-host
     replay publishes them, engine/multihost.py): the model's inputs, the sampler's
     parameters and its rows' penalty-state rows."""
-    return {"arrays": as_device_args(batch), "t": batch.sampling, "sample_rows": batch.sample_rows}
+    return {"arrays": as_device_args(batch), "t": batch.sampling, "sample_rows": batch.sample_rows,
+            "keep_rows": batch.keep_rows}

@@ -203,6 +203,20 @@ def make_speculator(config: EngineConfig, draft: Any, kv_spec: Any, ladders: Buc
         draft, kv_spec, ladders, config, attention, target=steps_on))
 
 
+def overlap_blocker(config: EngineConfig, speculator: Any, publisher: Any) -> str | None:
+    """Why this engine runs synchronous steps instead of the overlapped loop (None: it
+    overlaps): each of these needs the host between every two steps of every sequence."""
+    if not config.async_scheduling:
+        return "EngineConfig.async_scheduling is off"
+    if speculator is not None:
+        return "speculative decoding proposes and verifies drafts on the host between steps"
+    if config.num_scheduler_steps > 1:
+        return "multi-step decode (num_scheduler_steps > 1) runs its steps in one device call"
+    if publisher is not None or R.num_processes() > 1:
+        return "several processes: followers replay each step's host arrays"
+    return None
+
+
 def warm_up(config: EngineConfig, replicas: list[Replica], ladders: BucketLadders, speculator: Any,
             progress: bool) -> BucketCompiler:
     """Compile the buckets a first request needs, then the rest: here, or in a background

@@ -9,8 +9,6 @@ where it runs and how much it holds).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
 import logging
 import time
@@ -32,6 +30,7 @@ from jaxinfer.engine.replica import Replica
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput
 from jaxinfer.engine.sequence import Sequence, derive_seed, make_sequences
 from jaxinfer.engine.speculative import speculable
+from jaxinfer.engine.step_clock import CallTimer, Launched, StepClock
 
 from jaxinfer.errors import EngineDeadError, StepFailedError
 
@@ -88,14 +87,17 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.num_steps = 0
-        self._stepping: set[str] = set()     # request ids of the step in flight (_step_failed)
+        self._stepping: set[str] = set()     # request ids of the steps in flight (_step_failed)
         self.num_failed_steps = 0
         # tests: called with each scheduled step before its batch is built; what it raises
         # fails that step (the engine aborts its requests and goes on)
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
-        self.host_seconds = 0.0
-        self.device_seconds = 0.0
+        self.clock = StepClock()
+        # The overlapped loop (EngineConfig.async_scheduling), unless a part of this engine
+        # needs the host between every two steps (build.overlap_blocker says which)
+        self.overlap_blocker = build.overlap_blocker(self.config, self.speculator, self.publisher)
+        self.overlap = self.overlap_blocker is None
+        self._in_flight: list[list[Launched]] = []     # dispatched, not yet resolved, in order
         self.compiler = build.warm_up(self.config, self.replicas, self.ladders, self.speculator, progress)
         self.compile_seconds = self.compiler.seconds
 
@@ -286,7 +288,21 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.output.requests)
+        """Requests are running or waiting, or a step is still in flight."""
+        return bool(self.output.requests or self._in_flight)
+
+    # The step clock's sums (engine/step_clock.py), as the benchmarks read them.
+    @property
+    def num_steps(self) -> int:
+        return self.clock.steps
+
+    @property
+    def host_seconds(self) -> float:
+        return self.clock.host
+
+    @property
+    def device_seconds(self) -> float:
+        return self.clock.device
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix page no request holds, device and host tier (vLLM's
@@ -300,33 +316,54 @@ class Engine:
         outputs of requests that changed (cumulative snapshots), finished ones included
         once, last. With ``deltas`` each output holds only what is new since the request's
         previous one (``RequestState.delta``): a step's host cost then does not grow with
-        output length (AsyncEngine accumulates them)."""
-        self._stepping.clear()
+        output length (AsyncEngine accumulates them). The overlapped loop returns step
+        N's outputs from the call that dispatched step N+1 (``_step``)."""
+        self._stepping = {e.seq.request_id for g in self._in_flight for f in g for e in f.sched.scheduled}
         try:
             return self._step(RequestState.delta if deltas else RequestState.snapshot)
         except Exception as e:   # noqa: BLE001 - one step's failure must not end the engine
             raise self._step_failed(e) from e
 
     def _step(self, emit: Callable[[RequestState], RequestOutput]) -> list[RequestOutput]:
-        with self._timed() as timer:
+        """Schedule, build and dispatch the next step on every replica, then resolve the
+        steps before it: with ``overlap`` every step but the one just dispatched (the
+        device runs it while the host fetches and post-processes the last one), else all."""
+        with self.clock.call() as timer:
             run = self._decode_run()
             if run is not None:
                 return [emit(r) for r in self._multi_step(*run, timer) if r.visible]
-            pending = []
-            for rep in self.replicas:
-                sched = rep.schedule(self._drafts(rep))
-                if not sched.is_empty:
-                    pending.append(self._dispatch(rep, self._held(sched)))
-            if not pending:
-                timer.counted = False
-                return []
-            with timer.on_device():
-                fetched = [(rep, sched, batch, rep.runner.fetch(h)) for rep, sched, batch, h in pending]
-                if self.publisher is not None:
-                    self.publisher.step_done()
-                self._prompt_logprobs(fetched)
-            return [emit(r) for rep, sched, batch, packed in fetched
-                    for r in self._postprocess(rep, sched, batch.entries, packed) if r.visible]
+            launched = self._launch()
+            timer.dispatched = bool(launched)
+            if launched:
+                self._in_flight.append(launched)
+            keep = 1 if self.overlap and launched else 0
+            ready = self._in_flight[:len(self._in_flight) - keep]
+            del self._in_flight[:len(ready)]
+            timer.steps = len(ready)
+            return [emit(r) for group in ready for r in self._resolve(group, timer) if r.visible]
+
+    def _launch(self) -> list[Launched]:
+        """Each replica's next step, scheduled (its tokens in flight counted as pending),
+        built and dispatched ([] when no replica has work)."""
+        out = []
+        for rep in self.replicas:
+            sched = rep.schedule(self._drafts(rep))
+            if not sched.is_empty:
+                self.clock.before_dispatch(self._in_flight + [out])
+                out.append(self._dispatch(rep, self._held(sched)))
+        return out
+
+    def _resolve(self, group: list[Launched], timer: CallTimer) -> list[RequestState]:
+        """A dispatched step's results to the host (waiting for the device) and through
+        post-processing: tokens appended, stops checked (a sequence that stopped has its
+        look-ahead token, sampled by the step after, dropped when that one resolves)."""
+        with self.clock.waiting(timer):
+            for f in group:
+                f.packed = f.rep.runner.fetch(f.handle)
+            if self.publisher is not None:
+                self.publisher.step_done()
+        self._prompt_logprobs(group)
+        return [r for f in group for r in self._postprocess(f.rep, f.sched, f.batch.entries, f.packed, f.committed)]
 
     def _step_failed(self, e: Exception) -> Exception:
         """After a step raised: abort the requests it held (pages back, as a client's abort
@@ -336,6 +373,7 @@ class Engine:
         self.num_failed_steps += 1
         if self.publisher is not None or not all(rep.runner.state_alive() for rep in self.replicas):
             return EngineDeadError(f"a step failed and the device state cannot be trusted: {e!r}")
+        self._in_flight.clear()
         ids = sorted(self._stepping & set(self.output.requests)) or sorted(self.output.requests)
         log.error("step failed; aborting %d request(s): %s", len(ids), ", ".join(ids[:8]), exc_info=e)
         for rep in self.replicas:
@@ -351,34 +389,31 @@ class Engine:
             self.fault_hook(sched)
         return sched
 
-    def _prompt_logprobs(self, fetched: list[tuple]) -> None:
+    def _prompt_logprobs(self, group: list[Launched]) -> None:
         """Scoring steps (prompt logprobs, engine/scoring.py): each scored position's
         logprobs into its request, before the step's tokens are applied."""
         from jaxinfer.engine.scoring import collect
 
-        for rep, _, batch, _ in fetched:
-            if batch.bucket.score:
-                collect(batch, rep.runner.fetch_scores(), lambda seq: getattr(
+        for f in group:
+            if f.batch.bucket.score:
+                collect(f.batch, np.asarray(f.scores), lambda seq: getattr(
                     self.output.requests.get(seq.request_id), "prompt_logprobs", None))
 
-    @contextlib.contextmanager
-    def _timed(self) -> Iterator["_StepTimer"]:
-        timer = _StepTimer(time.perf_counter())
-        yield timer
-        if timer.counted:
-            self.num_steps += timer.steps
-            self.device_seconds += timer.device
-            self.host_seconds += time.perf_counter() - timer.t0 - timer.device
-
-    def _dispatch(self, rep: Replica, sched: SchedulerOutput) -> tuple:
-        """Build the step's batch and enqueue it on the device (returns at once)."""
+    def _dispatch(self, rep: Replica, sched: SchedulerOutput) -> Launched:
+        """Build the step's batch and enqueue it on the device (returns at once); the
+        overlapped loop commits it to the scheduler now (Scheduler.commit: its tokens are
+        pending until it resolves), so the next step can be scheduled before that."""
         now = time.monotonic()
         for e in sched.scheduled:
             m = self.output.requests[e.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         batch = self._build(rep, sched)
-        return rep, sched, batch, rep.runner.dispatch(batch)
+        handle = rep.runner.dispatch(batch)
+        if self.overlap:
+            rep.scheduler.commit(sched)
+        return Launched(rep, sched, batch, handle, rep.runner.last_scores if batch.bucket.score else None,
+                        committed=self.overlap)
 
     def _drafts(self, rep: Replica) -> dict[int, list[int]] | None:
         """Speculative decoding's proposals for this step (engine/speculative.py)."""
@@ -416,24 +451,27 @@ class Engine:
         rep.apply_page_ops()
         return run if run is None else (self._held(run[0]), run[1])
 
-    def _multi_step(self, sched: SchedulerOutput, k: int, timer: "_StepTimer") -> list[RequestState]:
+    def _multi_step(self, sched: SchedulerOutput, k: int, timer: CallTimer) -> list[RequestState]:
         """``k`` decode steps in one device call (Scheduler.schedule_decode_run), then each
         step's tokens postprocessed in order, exactly as ``k`` single steps would be; a
         sequence that stops early drops the tokens it sampled after that."""
         rep = self.replicas[0]
         batch = self._build(rep, sched, lookahead=k - 1)
+        self.clock.before_dispatch(self._in_flight)
         handle = rep.runner.dispatch_multi(batch, k)
-        with timer.on_device():
+        timer.dispatched = True
+        with self.clock.waiting(timer):
             packed = rep.runner.fetch(handle)                      # i32[max_steps, S', 2 + 2K]
         timer.steps = k
         runs = [(slot, e.seq, k, 0) for slot, e in batch.entries]
         return replay_runs(lambda sc, en, i: self._postprocess(rep, sc, en, packed[i]),
                            (sched, batch.entries), runs)
 
-    def _postprocess(self, rep: Replica, sched: SchedulerOutput, entries: list, packed: np.ndarray
-                     ) -> list[RequestState]:
+    def _postprocess(self, rep: Replica, sched: SchedulerOutput, entries: list, packed: np.ndarray,
+                     committed: bool = False) -> list[RequestState]:
         """A step's packed sampler output -> the requests that changed. Verified drafts
-        (speculative decoding) are accepted first and their runs fed through token by token."""
+        (speculative decoding) are accepted first and their runs fed through token by token.
+        ``committed``: the scheduler committed the step at dispatch (Scheduler.commit)."""
         from jaxinfer.engine import sampler as S
 
         res = S.unpack(packed)
@@ -442,7 +480,7 @@ class Engine:
                                                sched, entries, res.token_ids, rep.block_manager)
             self.speculator.rollback(sched, rep)
             return outs
-        return self.output.apply(rep.scheduler, sched, entries, res)
+        return self.output.apply(rep.scheduler, sched, entries, res, committed)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any) -> None:
         self.replicas[self.output.requests[seq.request_id].replica].finish(seq, reason, stop_reason)
@@ -510,6 +548,9 @@ class Engine:
             "prompt_tokens_total": self.output.prompt_tokens_total,
             "generation_tokens_total": self.output.generation_tokens_total,
             "num_steps": self.num_steps,
+            "async_scheduling": self.overlap,
+            "async_scheduling_off_because": self.overlap_blocker,
+            **self.clock.stats(),
             **self._prefix_cache_stats(),
             **(self.speculator.stats() if self.speculator else {}),
             **self.warmup_status(),
@@ -532,20 +573,3 @@ class Engine:
         out = {k: sum(s[k] for s in per) for k in per[0]}
         out["host_cache_total_pages"] = sum(r.block_manager.host.num_slots for r in self.replicas)
         return out
-
-
-@dataclasses.dataclass
-class _StepTimer:
-    """Seconds of one ``step``: ``device`` is the wait for the device's results, the rest
-    of the wall time is host work; ``steps``: model steps it ran (multi-step runs k)."""
-
-    t0: float
-    device: float = 0.0
-    steps: int = 1
-    counted: bool = True
-
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        t = time.perf_counter()
-        yield
-        self.device += time.perf_counter() - t

@@ -39,7 +39,7 @@ def _treedef():
     """Structure of a step's host arrays (batch.step_args)."""
     return jax.tree.structure({"arrays": {k: 0 for k in STEP_ARRAYS},
                                "t": S.sampling_tensors_from_params([], [], [], 1),
-                               "sample_rows": 0})
+                               "sample_rows": 0, "keep_rows": 0})
 
 
 def encode(bucket: Bucket, host: dict[str, Any]) -> bytes:

@@ -100,14 +100,15 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     def apply(self, scheduler: Scheduler, sched: SchedulerOutput, entries: list[tuple[int, ScheduledSeq]],
-              res: Any) -> list[RequestState]:
+              res: Any, committed: bool = False) -> list[RequestState]:
         """One step's sampled tokens (``res``: sampler.Unpacked, indexed by slot) -> the
-        requests that changed; finished ones are dropped from ``requests``."""
+        requests that changed; finished ones are dropped from ``requests``. ``committed``:
+        the scheduler committed the step when it was dispatched (Scheduler.commit)."""
         # beams and scoring-only sequences get no token from the scheduler (engine/search.py)
         sampled = {e.seq.seq_id: None if search.holds(e.seq) else int(res.token_ids[slot])
                    for slot, e in entries if e.samples}
         slot_of = {e.seq.seq_id: slot for slot, e in entries}
-        grew = scheduler.postprocess(sched, sampled)
+        grew = scheduler.resolve(sched, sampled) if committed else scheduler.postprocess(sched, sampled)
         self.prompt_tokens_total += sum(e.num_new_tokens for e in sched.scheduled
                                         if e.start_pos < e.seq.num_prompt_tokens)
         now = time.monotonic()
@@ -170,7 +171,7 @@ class OutputProcessor:
         d.append(tok)
         if d.stopped_by is not None:
             return self.finish_seq(seq, "stop", d.stopped_by)
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
             d.finish()
             self.finish_seq(seq, "length", None)
 

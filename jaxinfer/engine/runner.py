@@ -129,7 +129,24 @@ def model_body(graphdef, state, kv, arrays: dict[str, jax.Array], lora_arrays=No
     return model(arrays["tokens"], arrays["positions"], kv, attn, index, mm, tp_axis)
 
 
-def forward_fn(graphdef, state_def, state_leaves, kv, pen, logits_buf, arrays: dict[str, jax.Array],
+def feed_kept(arrays: dict[str, jax.Array], last_tokens: jax.Array) -> dict[str, jax.Array]:
+    """The step's tokens with each ``feed_rows`` position (>= 0) taken from ``last_tokens``
+    i32[R] (the token the previous step sampled for that penalty-state row, kept on the
+    device): the overlapped loop dispatches a step before the last one's tokens reach the
+    host, and they go from one step to the next without a host round trip."""
+    feed = arrays["feed_rows"]
+    tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], arrays["tokens"])
+    return dict(arrays, tokens=tokens)
+
+
+def keep_fn(last_tokens: jax.Array, packed: jax.Array, keep_rows: jax.Array) -> jax.Array:
+    """``last_tokens`` i32[R] with each sampler row's token (packed i32[S', 2 + 2K], column
+    0) stored at its ``keep_rows`` entry (-1: not kept)."""
+    R = last_tokens.shape[0]
+    return last_tokens.at[jnp.where(keep_rows >= 0, keep_rows, R)].set(packed[:, 0], mode="drop")
+
+
+def forward_fn(graphdef, state_def, state_leaves, kv, pen, logits_buf, last_tokens, arrays: dict[str, jax.Array],
                t: S.SamplingTensors, lora_arrays=None, *, bucket: Bucket, attention: Callable, mm: Callable,
                mesh=None, state_specs=None, kv_specs=None, lora_shape=None, lora_specs=None,
                body_fn: Callable = model_body, **body_opts):
@@ -145,6 +162,7 @@ def forward_fn(graphdef, state_def, state_leaves, kv, pen, logits_buf, arrays: d
     only in blocks it never returns (each row's result depends on that row alone), so
     padding a batch-1 step to S' rows costs no [S', V] write per step."""
     state = jax.tree.unflatten(state_def, state_leaves)
+    arrays = feed_kept(arrays, last_tokens)
     body = functools.partial(body_fn, graphdef, bucket=bucket, attention=attention,
                              mm=mm, tp_axis=None if mesh is None else shd.MODEL, lora_shape=lora_shape,
                              **body_opts)
@@ -346,6 +364,8 @@ class ModelRunner:
         self._place_weights(model, offload_layers, pipelined)
         V = self.cfg.vocab_size
         self.pen = (_zeros((num_rows, V), bool, mesh), _zeros((num_rows, V), jnp.int32, mesh))
+        # i32[num_rows]: each row's last sampled token, kept on the device (feed_kept)
+        self.last_tokens = _zeros((num_rows,), jnp.int32, mesh)
         self.kv = self._allocate_kv(kv_pool, pipelined)
         # With a mesh the sampler runs on one device of this process (the logits are
         # replicated, so any copy will do): sampling on every device would repeat the same
@@ -358,6 +378,7 @@ class ModelRunner:
         self.executables: dict[Bucket, Any] = {}
         self.multi_executables: dict[Bucket, Any] = {}     # decode-only buckets, multi-step
         self.samplers: dict[int, Any] = {}
+        self.keepers: dict[int, Any] = {}     # keep_fn per sampler width
         # f32[S', V] per sampler width S': the forwards' logits, donated and rewritten in place
         self.logits_bufs: dict[int, jax.Array] = {}
         self._empty_masks: dict[int, S.TokenMask] = {}
@@ -446,7 +467,8 @@ class ModelRunner:
     def is_compiled(self, b: Bucket) -> bool:
         """Every executable a step in ``b`` may call is there (read by the batch builder
         while a background thread compiles: each is stored once it is complete)."""
-        return (not self.forwards or b in self.executables) and (not self.samples or b.sample_rows in self.samplers) and (
+        return (not self.forwards or b in self.executables) and (
+            not self.samples or (b.sample_rows in self.samplers and b.sample_rows in self.keepers)) and (
             not self._has_multi(b) or b in self.multi_executables)
 
     def _has_multi(self, b: Bucket) -> bool:
@@ -466,6 +488,8 @@ class ModelRunner:
             self.executables[b] = self.step_compiler.forward(b)
         if self.samples and b.sample_rows not in self.samplers:
             self.samplers[b.sample_rows] = self.step_compiler.sampler(b.sample_rows)
+        if self.samples and b.sample_rows not in self.keepers:
+            self.keepers[b.sample_rows] = self.step_compiler.keeper(b.sample_rows)
         if self._has_multi(b) and b not in self.multi_executables:
             self.multi_executables[b] = self.step_compiler.multi_decode(b, self.num_scheduler_steps)
         self.compile_seconds += time.perf_counter() - t0
@@ -526,8 +550,8 @@ class ModelRunner:
             rep = shd.replicated(self.mesh)
             dev = jax.tree.map(lambda x: shd.put(x, rep), host)
         logits, self.kv, self.pen, *scores = self.executables[b](
-            self.state_leaves, self.kv, self.pen, self.logits_bufs[b.sample_rows], dev["arrays"], dev["t"],
-            self._lora_arrays())
+            self.state_leaves, self.kv, self.pen, self.logits_bufs[b.sample_rows], self.last_tokens,
+            dev["arrays"], dev["t"], self._lora_arrays())
         self.logits_bufs[b.sample_rows] = logits
         # f32[S', V] on device (rows >= the bucket's num_seqs: stale), for tests and
         # debugging (no copy); the next step in a bucket of this width donates it
@@ -541,7 +565,19 @@ class ModelRunner:
         args = (logits, self.pen, dev["sample_rows"], dev["t"])
         if self.mesh is not None:
             args = jax.tree.map(self._on_sample_device, args)
-        return self.samplers[b.sample_rows](*args, mask)
+        packed = self.samplers[b.sample_rows](*args, mask)
+        self._keep(b.sample_rows, packed, dev["keep_rows"])
+        return packed
+
+    def _keep(self, width: int, packed: jax.Array, keep_rows: Any) -> None:
+        """Keep the step's sampled tokens on the device for the next step (keep_fn): on
+        the sampling device, then replicated over the mesh again for the forward."""
+        if self.mesh is None:
+            self.last_tokens = self.keepers[width](self.last_tokens, packed, keep_rows)
+            return
+        last = self._on_sample_device(self.last_tokens)
+        kept = self.keepers[width](last, packed, self._on_sample_device(keep_rows))
+        self.last_tokens = shd.put(kept, shd.replicated(self.mesh))
 
     def _on_sample_device(self, x: jax.Array) -> jax.Array:
         """This device's copy of a replicated array (no transfer)."""
@@ -639,8 +675,10 @@ class StepCompiler:
         arrays, t, lora = self._step_args(b)
         buf = self._abstract(np.empty((b.sample_rows, self.cfg.vocab_size), np.float32),
                              None if self.mesh is None else shd.replicated(self.mesh))
+        last = self._abstract(np.empty((self.num_rows,), np.int32),
+                              None if self.mesh is None else shd.replicated(self.mesh))
         fwd = _jit(self.forward_fn, static_argnames=("bucket",), donate_argnums=(1, 2, 3))
-        return fwd.lower(self.state, self.kv, self.pen, buf, arrays, t, lora, bucket=b)
+        return fwd.lower(self.state, self.kv, self.pen, buf, last, arrays, t, lora, bucket=b)
 
     def forward(self, b: Bucket) -> Any:
         """Bucket ``b``'s forward, compiled."""
@@ -654,6 +692,13 @@ class StepCompiler:
         multi = _jit(self.multi_fn, static_argnames=("bucket", "max_steps"), donate_argnums=(1, 2))
         return multi.lower(self.state, self.kv, self.pen, arrays, t, scalar, rows, lora, bucket=b,
                            max_steps=max_steps).compile(self.options)
+
+    def keeper(self, width: int) -> Any:
+        """``keep_fn`` for ``width`` sampler rows, on the runner's sampling device."""
+        dev = None if self.sample_device is None else jax.sharding.SingleDeviceSharding(self.sample_device)
+        spec = lambda shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=dev)   # noqa: E731
+        return _jit(keep_fn).lower(spec((self.num_rows,)), spec((width, 2 + 2 * NUM_LOGPROBS)),
+                                   spec((width,))).compile(self.sampler_options)
 
     def sampler(self, width: int) -> Any:
         """The sampler of ``width`` rows (compile_sampler), on the runner's sampling device."""

@@ -357,8 +357,9 @@ class Scheduler:
         slots = _PrefillSlots(self.prefill_shapes)
 
         cap = self._chunk_cap()
-        decodes = [s for s in self.running if s.num_new_tokens_needed == 1]
-        prefills = [s for s in self.running if s.num_new_tokens_needed > 1]
+        ready = [s for s in self.running if not self._deferred(s)]
+        decodes = [s for s in ready if s.num_new_tokens_needed == 1]
+        prefills = [s for s in ready if s.num_new_tokens_needed > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -428,38 +429,67 @@ class Scheduler:
         return out, k
 
     def postprocess(self, output: SchedulerOutput, sampled: dict[int, int | None]) -> list[Sequence]:
-        """Record a finished step: advance ``num_computed_tokens`` of every scheduled
-        sequence and append the sampled token (``sampled[seq_id]``) of every one whose
-        entry ``samples``. Entries of sequences aborted meanwhile are skipped; tokens
-        sampled for non-sampling entries (mid-prefill rows) are ignored.
+        """Record a finished step: ``commit`` then ``resolve`` (the synchronous form, and the
+        one token runs of multi-step decode and speculation are replayed through)."""
+        self.commit(output)
+        return self.resolve(output, sampled)
 
-        Returns the sequences that received a token, in schedule order; the engine then
-        checks stops on them and calls ``finish``.
-        """
+    def commit(self, output: SchedulerOutput) -> None:
+        """A step was dispatched: advance ``num_computed_tokens`` of every scheduled
+        sequence (its KV will be in the cache), and count the token each sampling entry
+        will get as pending (``Sequence.num_pending``), so the next ``schedule`` plans
+        with it before it reaches the host (the overlapped loop, engine.py)."""
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is _FINISHED:           # aborted since it was scheduled
+                continue
+            if seq.num_computed_tokens != entry.start_pos or seq.status is not _RUNNING:
+                raise RuntimeError(f"commit: {seq!r} does not match its scheduled entry "
+                                   f"(start_pos {entry.start_pos}); was this step already committed?")
+            seq.num_computed_tokens += entry.num_new_tokens
+            if entry.samples:
+                seq.num_pending += 1
+
+    def resolve(self, output: SchedulerOutput, sampled: dict[int, int | None]) -> list[Sequence]:
+        """A committed step's tokens reached the host: append ``sampled[seq_id]`` to every
+        sequence whose entry ``samples`` (None: the caller appends, beam search, or stops),
+        and register newly full pages in the prefix cache. Sequences finished meanwhile
+        are skipped; one preempted meanwhile still gets its token (it was sampled from
+        its computed KV, as the synchronous loop would have appended it before the
+        preemption). Returns the sequences that received a token, in schedule order; the
+        engine then checks stops on them and calls ``finish``."""
         grew: list[Sequence] = []
         for entry in output.scheduled:
             seq = entry.seq
             if seq.status is _FINISHED:
                 continue
-            if seq.num_computed_tokens != entry.start_pos or seq.status is not _RUNNING:
-                raise RuntimeError(f"postprocess: {seq!r} does not match its scheduled entry "
-                                   f"(start_pos {entry.start_pos}); was this output already processed?")
-            seq.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
                 try:
                     tok = sampled[seq.seq_id]
                 except KeyError:
-                    raise KeyError(f"postprocess: no sampled token for seq_id {seq.seq_id}, "
+                    raise KeyError(f"resolve: no sampled token for seq_id {seq.seq_id}, "
                                    f"whose entry samples") from None
-                if tok is not None:              # None: the caller appends (beam search) or stops
+                seq.num_pending -= 1
+                if tok is not None:
                     seq.append_token(int(tok))
                     grew.append(seq)
-            self.bm.cache_computed(seq)
+            if seq.status is _RUNNING:
+                self.bm.cache_computed(seq)
         return grew
 
     # ---- internals ----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, float, int]:
         return self._keys[seq.seq_id]
+
+    def _deferred(self, seq: Sequence) -> bool:
+        """Not scheduled while a token of it is in flight (the overlapped loop): a request
+        that needs the host between steps (SamplingParams.needs_host_between_steps), and
+        one whose pending token ends it by length (max_tokens or max_model_len: the
+        synchronous loop would have finished it)."""
+        if not seq.num_pending:
+            return False
+        return (seq.params.needs_host_between_steps or seq.num_tokens >= self.max_model_len
+                or seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens)
 
     def _seats_taken(self) -> int:
         """Places in ``max_num_seqs`` in use: running sequences and beam reservations."""
@@ -496,6 +526,9 @@ class Scheduler:
             seq = self.waiting[i]
             if seats + self._seats_needed(seq) > self.max_num_seqs:
                 break                                 # FCFS: a beam search waits for its places
+            if seq.num_pending:     # preempted with a token in flight: it recomputes once that is here
+                i += 1
+                continue
             prefix = None if self._lora_full(seq) else self._prefix_for(seq)
             if prefix is None:      # a sibling is computing our prompt pages, or no adapter slot
                 i += 1

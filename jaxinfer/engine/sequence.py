@@ -8,6 +8,12 @@ Token model (vLLM v1 style, no prefill/decode distinction): a sequence is its pr
 plus the tokens sampled so far. ``num_computed_tokens`` of them have their KV in the
 cache; the next step must compute ``num_new_tokens_needed`` more (the whole prompt at
 first, then 1 per decode step, or prompt+outputs again after a preemption).
+
+The overlapped step loop (engine.py) schedules step N+1 before step N's tokens reach the
+host: ``num_pending`` counts tokens sampled on the device and not yet appended. They are
+part of ``num_tokens`` (the scheduler's view: a pending token is the next one to feed,
+and the device feeds it itself) but not of ``output_token_ids`` nor of
+``num_known_tokens`` (what the host can read, stop checks and outputs).
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class Sequence:
     # (fed as drafts, uncounted), folded in at the sequence's next step. Only with
     # penalties (engine/speculative.py).
     uncounted_tokens: list[int] = field(default_factory=list)
+    # Tokens sampled by a step in flight, not yet appended (Scheduler.commit / resolve).
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +88,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + outputs + pending: the tokens the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + outputs on the host (``num_tokens`` less the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -96,7 +110,8 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list."""
+        """``all_token_ids[start:end]`` without building the whole list (known tokens
+        only: a pending position is not there)."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -57,6 +57,13 @@ _ENGINE_METRICS = (
     ("prefix_cache_pages", "prefix_cache_pages", "KV pages held by the prefix cache on the device.", "gauge"),
     ("host_cache_pages", "host_prefix_cache_pages", "KV pages held by the host-memory tier.", "gauge"),
     ("host_cache_total_pages", "host_prefix_cache_total_pages", "Host-memory tier capacity, in pages.", "gauge"),
+    ("host_ms_per_step", "step_host_ms", "Host work per engine step, ms (its life's mean).", "gauge"),
+    ("critical_host_ms_per_step", "step_critical_host_ms",
+     "Host work per step the device had nothing queued for, ms (an upper bound; the overlapped loop "
+     "hides the rest).", "gauge"),
+    ("device_ms_per_step", "step_device_ms", "The device's share of a step's wall time, ms.", "gauge"),
+    ("overlapped_fraction", "step_overlapped_fraction", "Fraction of the host's step work the device "
+     "overlapped (0..1).", "gauge"),
     ("buckets_compiled", "compiled_buckets", "Step shapes compiled so far (the rest compile in the "
      "background after start-up).", "gauge"),
     ("buckets_total", "buckets", "Step shapes the engine compiles in all.", "gauge"),

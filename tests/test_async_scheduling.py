@@ -218,3 +218,46 @@ def test_abort_mid_flight(loaded):
     assert before == whole["r1"].outputs[0].token_ids[:len(before)]
     st = eng.stats()
     assert st["num_free_pages"] == st["num_total_pages"] and st["num_running"] == 0
+
+
+def test_step_clock_counts_only_host_work_the_device_waited_for():
+    """The clock's critical path: all of a synchronous call's host work; none of an
+    overlapped call's while the step in flight is still running; nothing between calls."""
+    import time
+
+    from jaxinfer.engine.step_clock import Launched, StepClock
+
+    class Handle:
+        def __init__(self, ready):
+            self.ready = ready
+
+        def is_ready(self):
+            return self.ready
+
+    clock, in_flight = StepClock(), []
+    with clock.call(in_flight) as t:            # synchronous: nothing in flight
+        time.sleep(0.02)
+        clock.before_dispatch(in_flight)
+        with clock.waiting(t):
+            time.sleep(0.01)
+        time.sleep(0.02)
+        t.steps = 1
+    # (bounds from the sleeps alone: no wall-clock window)
+    assert 0.04 <= clock.critical <= clock.host and clock.device >= 0.01
+    time.sleep(0.05)                             # idle between calls: nobody's
+    busy = [[Launched(None, None, None, Handle(False))]]
+    before = clock.critical
+    with clock.call(busy) as t:                 # overlapped: the step in flight still runs
+        time.sleep(0.02)
+        clock.before_dispatch(busy)
+        time.sleep(0.02)
+        t.steps = 1
+    assert clock.critical == before
+    busy[0][0].handle.ready = True               # the device outran the host: it counts
+    with clock.call(busy) as t:
+        time.sleep(0.02)
+        clock.before_dispatch(busy)
+        t.steps = 1
+    assert clock.critical - before >= 0.02
+    st = clock.stats()
+    assert 0.0 < st["overlapped_fraction"] < 1.0 and st["critical_host_ms_per_step"] <= st["host_ms_per_step"]

@@ -329,7 +329,7 @@ class Engine:
         """Schedule, build and dispatch the next step on every replica, then resolve the
         steps before it: with ``overlap`` every step but the one just dispatched (the
         device runs it while the host fetches and post-processes the last one), else all."""
-        with self.clock.call() as timer:
+        with self.clock.call(self._in_flight) as timer:
             run = self._decode_run()
             if run is not None:
                 return [emit(r) for r in self._multi_step(*run, timer) if r.visible]

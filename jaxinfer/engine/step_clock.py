@@ -39,42 +39,48 @@ class StepClock:
     * ``device``: the time blocked fetching (the device still running what the host waits
       for);
     * ``critical``: host work the device had nothing queued for. The host cannot see the
-      device go idle, so this is an upper bound: at each dispatch, if every step in flight
-      has finished already (or none is in flight), the time since the host last saw the
-      device busy (a fetch that returned after waiting) counts. In the synchronous loop
-      that is all the host work between a fetch and the next dispatch; in the overlapped
-      loop, only what the device outran.
+      device go idle, so this is an upper bound: within a call, the host work before a
+      dispatch counts when every step in flight has finished by then (or none is in
+      flight), and the work after the call's last fetch counts when that is so at the
+      call's end. In the synchronous loop that is all its host work; in the overlapped
+      loop, only what the device outran. Time between calls (an idle engine) is nobody's.
     """
 
     def __init__(self) -> None:
         self.steps = 0
         self.host = self.device = self.critical = self.wall = 0.0
-        self._busy_seen = time.perf_counter()
+        self._mark = 0.0                 # since when the host works, the device maybe idle
+
+    @staticmethod
+    def _device_busy(in_flight: list[list[Launched]]) -> bool:
+        return any(not f.is_ready() for group in in_flight for f in group)
 
     def before_dispatch(self, in_flight: list[list[Launched]]) -> None:
         now = time.perf_counter()
-        if any(not f.is_ready() for group in in_flight for f in group):
-            self._busy_seen = now           # the device still works: no gap
-        else:
-            self.critical += max(0.0, now - self._busy_seen)
-            self._busy_seen = now           # (what follows is the device's)
+        if not self._device_busy(in_flight):
+            self.critical += now - self._mark
+        self._mark = now                 # from the dispatch on, the device has work
 
     @contextlib.contextmanager
     def waiting(self, call: "CallTimer") -> Iterator[None]:
         """A blocking fetch: its time is the device's."""
         t = time.perf_counter()
         yield
-        end = time.perf_counter()
-        call.device += end - t
-        self._busy_seen = end
+        self._mark = time.perf_counter()
+        call.device += self._mark - t
 
     @contextlib.contextmanager
-    def call(self) -> Iterator["CallTimer"]:
-        """One ``Engine.step`` call; counted when it dispatched or resolved a step."""
+    def call(self, in_flight: list[list[Launched]]) -> Iterator["CallTimer"]:
+        """One ``Engine.step`` call (``in_flight``: the engine's list, read at the end);
+        counted when it dispatched or resolved a step."""
         timer = CallTimer(time.perf_counter())
+        self._mark = timer.t0
         yield timer
         if timer.steps or timer.dispatched:
-            wall = time.perf_counter() - timer.t0
+            end = time.perf_counter()
+            if not self._device_busy(in_flight):
+                self.critical += end - self._mark
+            wall = end - timer.t0
             self.steps += timer.steps
             self.wall += wall
             self.device += timer.device

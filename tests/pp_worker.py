@@ -29,14 +29,18 @@ ENGINE_KW = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, n
                  min_sampler_rows=16, decode_buckets=(4,), mixed_decode_buckets=(0, 4), prefill_buckets=((4, 8),),
                  page_buckets=(8,))
 GRID = {"1x1x1": (1, 1, 1), "pp2": (1, 2, 1), "pp4": (1, 4, 1), "tp2pp2": (1, 2, 2), "dp2pp2tp2": (2, 2, 2),
-        "tp2": (1, 1, 2)}            # name -> (dp, pp, tp)
+        "tp2": (1, 1, 2)}            # name -> (dp, pp, tp); all with the overlapped loop (the default)
 HLO_OF = ("pp2", "tp2pp2", "tp2")
 
 
 def mode_grid() -> dict:
     loaded = tiny_loaded("llama_8q4kv", num_layers=4)
-    return {name: run_engine(loaded, dp, tp, PROMPTS, MAX_TOKENS, hlo=name in HLO_OF, pipeline_parallel_size=pp,
-                             **ENGINE_KW) for name, (dp, pp, tp) in GRID.items()}
+    res = {name: run_engine(loaded, dp, tp, PROMPTS, MAX_TOKENS, hlo=name in HLO_OF, pipeline_parallel_size=pp,
+                            **ENGINE_KW) for name, (dp, pp, tp) in GRID.items()}
+    # PP 2 with the synchronous loop: the overlapped one's tokens and logits, bit for bit
+    res["pp2_sync"] = run_engine(loaded, 1, 1, PROMPTS, MAX_TOKENS, pipeline_parallel_size=2,
+                                 async_scheduling=False, **ENGINE_KW)
+    return res
 
 
 def mode_default(tp3pp2: bool = False) -> dict:

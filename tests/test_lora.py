@@ -101,22 +101,24 @@ def engine_logits(engine, ids: list[int], n: int, lora: str | None) -> tuple[lis
     """Greedy n tokens of one request driven step by step -> (tokens, the logits f32[n, V]
     of every sampled position, read from the runner)."""
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), "probe", lora=lora)
-    rows, out, slots = [], None, []
+    rows, out = [], None
     dispatch = engine.runner.dispatch
 
-    def spy(batch, *rest):              # the sampler row (slot) of the request's last piece
-        slots[:] = [slot for slot, e in batch.entries if e.samples]
-        return dispatch(batch, *rest)
+    def spy(batch, *rest):              # the logits row (slot) of the request's sampled piece
+        packed = dispatch(batch, *rest)
+        # read now: the next step's forward takes this buffer over (donated), and the
+        # overlapped loop dispatches it before this step's tokens come back
+        rows.extend(np.asarray(engine.runner.last_logits[slot]) for slot, e in batch.entries if e.samples)
+        return packed
 
     engine.runner.dispatch = spy
     try:
         while engine.has_unfinished():
             for o in engine.step():
                 out = o
-            if len(rows) < len(out.outputs[0].token_ids if out else []):
-                rows.append(np.asarray(engine.runner.last_logits[slots[0]]))
     finally:
         del engine.runner.dispatch
+    rows = rows[:len(out.outputs[0].token_ids)]     # (a look-ahead step past the last token)
     return out.outputs[0].token_ids, np.stack(rows)
 
 

@@ -71,6 +71,12 @@ def test_tp_and_dp_grid_match_tp1(grid):
     assert grid["qwen_8q2kv"]["1x4"]["kv_heads_per_device"] == 1
 
 
+def test_tp_overlapped_loop_matches_synchronous(grid):
+    """TP 2 with the overlapped loop (the default, every run above) and with the
+    synchronous one: the same tokens and every sampled row's logits bit for bit."""
+    assert grid["sync_vs_overlap"] == {"tokens_equal": True, "logits_equal": True}
+
+
 def test_step_hlo_has_two_all_reduces_per_layer(grid):
     """The compiled step holds exactly 2 all-reduces per layer + 1 for the vocabulary-parallel
     embedding, one all-gather (the logits) and no other collective, for every bucket. The

@@ -56,6 +56,10 @@ def test_tokens_match_single_device(grid):
             else:
                 assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), name
     assert grid["dp2pp2tp2"]["replicas"] == 2
+    # the overlapped loop (every run above) against the synchronous one, with preemption
+    sync = grid["pp2_sync"]
+    assert sync["tokens"] == grid["pp2"]["tokens"] and sync["logits"] == grid["pp2"]["logits"]
+    assert sync["preemptions"] > 0 and not sync["leaked_pages"]
 
 
 def test_step_hlo_passes_activations_by_collective_permute(grid):

@@ -30,6 +30,19 @@ def engines(loaded, **kw) -> dict[bool, Engine]:
     return {a: Engine(loaded=loaded, progress=False, async_scheduling=a, **cfg) for a in (True, False)}
 
 
+@pytest.fixture(scope="module")
+def shared(loaded):
+    """One pair for the tests of the default shape (engines cost ~20 s each to build)."""
+    return engines(loaded)
+
+
+@pytest.fixture
+def pair(shared):
+    yield shared
+    for eng in shared.values():
+        eng.fault_hook = None
+
+
 class Overlaps:
     """Counts scheduled steps that held a sequence with a token still in flight (the
     engine's fault hook sees every step before its batch is built)."""
@@ -95,8 +108,7 @@ def compare(pair: dict[bool, Engine], prompts, params, **drive_kw) -> dict:
     return res[True][0]
 
 
-def test_the_engine_overlaps_by_default(loaded):
-    pair = engines(loaded)
+def test_the_engine_overlaps_by_default(pair):
     assert pair[True].stats()["async_scheduling"] and pair[True].overlap_blocker is None
     assert not pair[False].stats()["async_scheduling"]
     assert "async_scheduling" in pair[False].stats()["async_scheduling_off_because"]
@@ -108,10 +120,9 @@ def test_the_engine_overlaps_by_default(loaded):
     assert 0.0 <= st["overlapped_fraction"] <= 1.0 and st["host_ms_per_step"] > 0
 
 
-def test_stops_found_a_step_late_match(loaded):
+def test_stops_found_a_step_late_match(pair):
     """EOS, a stop token, stop strings (cut inside the text, kept or not), max_tokens of 1,
     2 and more: the look-ahead token each sampled after its stop is dropped."""
-    pair = engines(loaded)
     base = SP(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = "Once upon a time"
     full = pair[False].generate(prompt, base)[0].outputs[0]
@@ -132,10 +143,9 @@ def test_stops_found_a_step_late_match(loaded):
     assert len({len(c[1]) for c in outs["r9"]}) > 1, "the samples should stop at different lengths"
 
 
-def test_sampling_features_and_arrivals_match(loaded):
+def test_sampling_features_and_arrivals_match(pair):
     """Seeded sampling with logprobs, n > 1 and best_of, penalties, top-k / top-p / min-p,
     requests arriving while a step is in flight."""
-    pair = engines(loaded)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 4000, int(rng.integers(4, 50)))] for _ in range(10)]
     params = [SP(temperature=0, max_tokens=12, logprobs=2),
@@ -165,11 +175,10 @@ def test_preemption_and_prefix_cache_hits_match(loaded):
         assert st["num_preemptions_total"] > 0 and st["prefix_cache_hits_total"] > 0, st
 
 
-def test_host_bound_requests_beside_plain_ones(loaded):
+def test_host_bound_requests_beside_plain_ones(pair):
     """Guided decoding, min_tokens, logit_bias, a watermark and beam search need the host
     between their steps: they wait for their token while the plain rows keep overlapping
     (never the whole batch synchronous); all outputs the same."""
-    pair = engines(loaded)
     seen = Overlaps(pair[True])
     prompts = ["Hello there", "Give me a number", "Once upon", "The end", "A B C", "Tell me"]
     params = [SP(temperature=0, max_tokens=40, ignore_eos=True),
@@ -192,11 +201,10 @@ def test_host_bound_requests_beside_plain_ones(loaded):
     compare(pair, prompts, params)
 
 
-def test_abort_mid_flight(loaded):
+def test_abort_mid_flight(pair):
     """An abort while the request's step is in flight: its pages come back at once, the
     others' outputs are untouched, what it had is a prefix of its whole run, and no token
     of a step in flight lands in it afterwards."""
-    pair = engines(loaded)
     prompts = [[9, 10, 11] * 5, [21, 22, 23] * 4, [31, 32] * 6]
     params = [SP(temperature=0, max_tokens=30, ignore_eos=True)] * 3
     whole, _ = drive(pair[True], prompts, params)

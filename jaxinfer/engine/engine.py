@@ -337,11 +337,18 @@ class Engine:
             timer.dispatched = bool(launched)
             if launched:
                 self._in_flight.append(launched)
-            keep = 1 if self.overlap and launched else 0
+            keep = 1 if self.overlap and launched and not self._beams_in(launched) else 0
             ready = self._in_flight[:len(self._in_flight) - keep]
             del self._in_flight[:len(ready)]
             timer.steps = len(ready)
             return [emit(r) for group in ready for r in self._resolve(group, timer) if r.visible]
+
+    @staticmethod
+    def _beams_in(launched: list[Launched]) -> bool:
+        """A beam search's step resolves before the next is scheduled: its beams hold their
+        pages while they wait for one another, and which beam to preempt (or fork) is only
+        known once the step's candidates are on the host (the synchronous order)."""
+        return any(e.seq.params.beam_width > 1 for f in launched for e in f.sched.scheduled)
 
     def _launch(self) -> list[Launched]:
         """Each replica's next step, scheduled (its tokens in flight counted as pending),

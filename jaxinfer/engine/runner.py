@@ -575,6 +575,10 @@ class ModelRunner:
         if self.mesh is None:
             self.last_tokens = self.keepers[width](self.last_tokens, packed, keep_rows)
             return
+        if self.publisher is not None:
+            # several processes run synchronous steps (nothing is fed from the device), and
+            # the mesh spans hosts the sampling device cannot send to
+            return
         last = self._on_sample_device(self.last_tokens)
         kept = self.keepers[width](last, packed, self._on_sample_device(keep_rows))
         self.last_tokens = shd.put(kept, shd.replicated(self.mesh))

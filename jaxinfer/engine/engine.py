@@ -87,7 +87,7 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.eos_token_ids, self.max_model_len, self._finish, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self._stepping: set[str] = set()     # request ids of the steps in flight (_step_failed)
+        self._stepping: set[str] = set()     # request ids of this call's steps (_step_failed)
         self.num_failed_steps = 0
         # tests: called with each scheduled step before its batch is built; what it raises
         # fails that step (the engine aborts its requests and goes on)
@@ -319,7 +319,7 @@ class Engine:
         previous one (``RequestState.delta``): a step's host cost then does not grow with
         output length (AsyncEngine accumulates them). The overlapped loop returns step
         N's outputs from the call that dispatched step N+1 (``_step``)."""
-        self._stepping = {e.seq.request_id for g in self._in_flight for f in g for e in f.sched.scheduled}
+        self._stepping.clear()
         try:
             return self._step(RequestState.delta if deltas else RequestState.snapshot)
         except Exception as e:   # noqa: BLE001 - one step's failure must not end the engine
@@ -381,6 +381,8 @@ class Engine:
         self.num_failed_steps += 1
         if self.publisher is not None or not all(rep.runner.state_alive() for rep in self.replicas):
             return EngineDeadError(f"a step failed and the device state cannot be trusted: {e!r}")
+        # this call's steps (_held) and those still in flight from the calls before
+        self._stepping.update(e.seq.request_id for g in self._in_flight for f in g for e in f.sched.scheduled)
         self._in_flight.clear()
         ids = sorted(self._stepping & set(self.output.requests)) or sorted(self.output.requests)
         log.error("step failed; aborting %d request(s): %s", len(ids), ", ".join(ids[:8]), exc_info=e)

@@ -309,6 +309,39 @@ def test_lost_device_state_fails_in_flight_and_the_server_exits_nonzero():
         assert "the engine has stopped" in out and "exiting" in out, out[-2000:]
 
 
+def test_tokens_queued_before_the_engine_died_reach_the_stream_first():
+    """The overlapped loop delivers step N's tokens and, a moment later, the death of step
+    N+1: when both are queued before the caller wakes, the caller still gets the tokens
+    (then the error), not the error alone (a stream that ended with no event at all)."""
+    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.errors import EngineDeadError
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+    idle = SimpleNamespace(tokenizer=None, model_name="m", max_model_len=64,
+                           config=SimpleNamespace(max_num_seqs=1), has_unfinished=lambda: False,
+                           add_request=lambda *a, **kw: None, abort=lambda rid: None,
+                           encode_prompt=lambda p: (None, list(p)))
+    aeng = AsyncEngine(idle)
+
+    async def run():
+        agen = aeng.generate([1, 2], SamplingParams(max_tokens=4), "r")
+        first = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0.1)                   # the request posted; the caller waits on its queue
+        assert not first.done() and "r" in aeng._queues
+        q = aeng._queues["r"][1]
+        q.put_nowait(RequestOutput("r", None, [1, 2], [CompletionOutput(0, "x", [7])]))
+        q.put_nowait(EngineDeadError("the engine has stopped: RuntimeError"))
+        out = await first
+        assert out.outputs[0].token_ids == [7]
+        with pytest.raises(EngineDeadError):
+            await agen.__anext__()
+
+    try:
+        asyncio.run(run())
+    finally:
+        asyncio.run(aeng.shutdown())
+
+
 def test_sampling_params_bounds_are_closed():
     """Every numeric SamplingParams field has both ends: an open end is how 2**31 reached an
     int32 array and 1e308 a float power."""

@@ -197,9 +197,14 @@ class AsyncEngine:
             posted = True
             while True:
                 item = await q.get()
+                out = None
                 while True:    # apply every delta that queued up, then yield once
                     if isinstance(item, BaseException):
-                        raise item
+                        if out is None:
+                            raise item
+                        # tokens that came before the error reach the caller first
+                        q.put_nowait(item)
+                        break
                     out = acc.apply(item, text)
                     if q.empty():
                         break

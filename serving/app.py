@@ -53,15 +53,14 @@ from jaxinfer.engine.lora import allowed_dirs
 from jaxinfer.errors import EngineDeadError, QueueFullError, RequestFailedError
 from serving import guard
 from serving import lora_routes
-from serving.errors import ProtocolError, openai_error_body, tgi_error_body
+from serving.dialect import OPENAI, TGI, Answering, Dialect, sse
+from serving.errors import ProtocolError
 from serving.fields import MAX_STOP, Limits, short
 from serving.jsonio import dumps, parse_json_body
 from serving.openai_request import parse_chat_request, parse_completion_request
-from serving.openai_response import OpenAIStreamer, chat_response, completion_response
 from serving.openapi import openapi_schema
 from serving.request import GenRequest
 from serving.tgi_request import parse_tgi_request
-from serving.tgi_response import TGIStreamer, tgi_response
 from serving.token_texts import TokenTexts
 from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
 
@@ -242,20 +241,18 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-# The TGI routes answer in TGI's error shape, also for errors raised before a handler runs.
-TGI_PATHS = frozenset({"/generate", "/generate_stream", "/info"})
+# Routes that answer in another API's error shape than OpenAI's, also for errors raised
+# before a handler runs (404, 405, a bad Host).
+PATH_DIALECTS: dict[str, Dialect] = {"/generate": TGI, "/generate_stream": TGI, "/info": TGI}
 
 
-def error_response(e: ProtocolError, tgi: bool = False) -> Response:
-    if tgi:
-        kind = {401: "authentication", 500: "generation", 503: "overloaded"}.get(e.status, "validation")
-        status = 422 if e.status == 400 else e.status     # TGI answers every bad input with 422
-        return json_response(tgi_error_body(e.message, kind), status, e.headers)
-    return json_response(openai_error_body(e.message, e.err_type, e.param, e.code), e.status, e.headers)
+def dialect_of(path: str) -> Dialect:
+    return PATH_DIALECTS.get(path, OPENAI)
 
 
-def sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
+def error_response(e: ProtocolError, dialect: Dialect = OPENAI) -> Response:
+    body, status = dialect.error(e)
+    return json_response(body, status, e.headers)
 
 
 class SSEResponse:
@@ -363,7 +360,7 @@ async def close_gen(gen: Any) -> None:
 
 # ------------------------------------------------------------------ generation
 
-async def _first_output(gen: Any, req: GenRequest) -> RequestOutput:
+async def _first_output(gen: Any) -> RequestOutput:
     """The engine's first output; its up-front ValueError (bad input) becomes a 4xx."""
     try:
         return await gen.__anext__()
@@ -371,7 +368,7 @@ async def _first_output(gen: Any, req: GenRequest) -> RequestOutput:
         msg = str(e)
         head, sep, _ = msg.partition(":")
         param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
-        raise ProtocolError(msg, param=param, status=422 if req.kind == "tgi" else 400) from None
+        raise ProtocolError(msg, param=param, status=400) from None
     except StopAsyncIteration:
         raise RuntimeError("engine.generate ended without any output") from None
 
@@ -399,15 +396,14 @@ def _trace_hook(st: ServerState, request: Request, req: GenRequest,
 
 
 async def run_generation(request: Request, st: ServerState, engine: EngineLike,
-                         req: GenRequest, received: float | None = None) -> Response:
-    tgi = req.kind == "tgi"
+                         req: GenRequest, dialect: Dialect, received: float | None = None) -> Response:
     received = time.monotonic() if received is None else received
     tracker = st.metrics.tracker(_trace_hook(st, request, req, received))
     # a name that is not the base model's is a LoRA adapter's (the parser checked it is served)
     lora = {} if req.model in st.model_names() else {"lora": req.model}
     gen = engine.generate(req.prompt_ids, req.params, req.request_id, **lora)
     try:
-        first = await race_disconnect(request, _first_output(gen, req))
+        first = await race_disconnect(request, _first_output(gen))
     except BaseException as e:
         await close_gen(gen)
         if isinstance(e, ClientGone):       # gone before the first output: still an abort
@@ -415,9 +411,9 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
         if isinstance(e, QueueFullError):
             st.metrics.rejected.labels(st.metric_model_name(), "queue_full").inc()
         raise
+    answering = Answering(st.texts(engine), frozenset(engine.tokenizer.eos_token_ids))
     if req.stream:
-        body = _stream_tgi(st, engine, req, gen, first, tracker) if tgi else \
-            _stream_openai(st, engine, req, gen, first, tracker)
+        body = _stream(st, dialect.stream(req, answering), req, gen, first, tracker)
         return SSEResponse(body, on_close=lambda: close_gen(gen))
     try:
         final = await race_disconnect(request, _collect(gen, first, tracker))
@@ -430,11 +426,7 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
     if not final.finished or any(o.finish_reason == "abort" for o in final.outputs):
         raise ProtocolError("the request was aborted by the server (shutting down?)", status=503,
                               code="aborted", headers={"Retry-After": str(st.retry_after_s)})
-    texts = st.texts(engine)
-    if tgi:
-        return json_response(tgi_response(req, final, texts, set(engine.tokenizer.eos_token_ids)))
-    shape = chat_response if req.kind == "chat" else completion_response
-    return json_response(shape(req, final, texts))
+    return json_response(dialect.respond(req, final, answering))
 
 
 async def _outputs(gen: Any, first: RequestOutput) -> AsyncIterator[RequestOutput]:
@@ -456,54 +448,27 @@ def _stream_failure(st: ServerState, req: GenRequest, e: Exception) -> tuple[str
     return "internal error while streaming", "internal_error"
 
 
-async def _stream_openai(st: ServerState, engine: EngineLike, req: GenRequest, gen: Any,
-                         first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
-    streamer = OpenAIStreamer(req, st.texts(engine))
+async def _stream(st: ServerState, stream: Any, req: GenRequest, gen: Any,
+                  first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed answer (``stream``: a serving.dialect.Stream)."""
     last, completed = first, False
     try:
         async for out in _outputs(gen, first):
             last = out
             tracker.update(out)
-            for chunk in streamer.chunks(out):
-                yield sse(chunk)
+            for chunk in stream.events(out):
+                yield chunk
         completed = True
         tracker.finish(last)
-        if req.include_usage:
-            yield sse(streamer.usage_chunk(last))
-        yield b"data: [DONE]\n\n"
+        for chunk in stream.end(last):
+            yield chunk
     except Exception as e:
         if completed:
             raise
         completed = True
         tracker.finish(last, aborted=True)
-        msg, code = _stream_failure(st, req, e)
-        yield sse(openai_error_body(msg, "server_error", None, code))
-        yield b"data: [DONE]\n\n"
-    finally:
-        if not completed:
-            tracker.finish(last, aborted=True)
-        await close_gen(gen)
-
-
-async def _stream_tgi(st: ServerState, engine: EngineLike, req: GenRequest, gen: Any,
-                      first: RequestOutput, tracker: RequestTracker) -> AsyncIterator[bytes]:
-    streamer = TGIStreamer(req, st.texts(engine), set(engine.tokenizer.eos_token_ids))
-    last, completed = first, False
-    try:
-        async for out in _outputs(gen, first):
-            last = out
-            tracker.update(out)
-            for ev in streamer.events(out):
-                yield sse(ev)
-        completed = True
-        tracker.finish(last)
-    except Exception as e:
-        if completed:
-            raise
-        completed = True
-        tracker.finish(last, aborted=True)
-        msg, _ = _stream_failure(st, req, e)
-        yield sse(tgi_error_body(msg, "generation"))
+        for chunk in stream.failure(*_stream_failure(st, req, e)):
+            yield chunk
     finally:
         if not completed:
             tracker.finish(last, aborted=True)
@@ -515,7 +480,7 @@ async def _stream_tgi(st: ServerState, engine: EngineLike, req: GenRequest, gen:
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
 
 
-def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
+def endpoint(handler: Handler, *, dialect: Dialect = OPENAI, auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
     """Wrap a handler: auth, then map every failure to a well-formed error response."""
 
     async def run(request: Request) -> Response:
@@ -525,36 +490,37 @@ def endpoint(handler: Handler, *, tgi: bool = False, auth: bool = True) -> Calla
                 st.check_auth(request)
             return await handler(request, st)
         except ProtocolError as e:
-            return error_response(e, tgi)
+            return error_response(e, dialect)
         except QueueFullError as e:
             return error_response(ProtocolError(
                 f"the server is at capacity ({e or 'waiting queue full'}); retry later", status=503,
-                code="queue_full", headers={"Retry-After": str(st.retry_after_s)}), tgi)
+                code="queue_full", headers={"Retry-After": str(st.retry_after_s)}), dialect)
         except EngineDeadError:
             return error_response(ProtocolError(
                 "the engine has stopped; this server cannot serve requests", status=503,
-                code="engine_dead"), tgi)
+                code="engine_dead"), dialect)
         except RequestFailedError as e:    # its step failed; the engine serves on (logged there)
-            return error_response(ProtocolError(str(e), status=500, code="engine_error"), tgi)
+            return error_response(ProtocolError(str(e), status=500, code="engine_error"), dialect)
         except ClientGone:
             return Response(status_code=499)    # nobody is listening; nginx's "client closed"
         except Exception:
             st.internal_errors += 1
             log.exception("internal error on %s %s", request.method, request.url.path)
             return error_response(ProtocolError("internal server error", status=500,
-                                                  code="internal_error"), tgi)
+                                                  code="internal_error"), dialect)
 
     return run
 
 
-async def _gen_route(request: Request, st: ServerState, parse: Callable[..., GenRequest]) -> Response:
+async def _gen_route(request: Request, st: ServerState, parse: Callable[..., GenRequest],
+                     dialect: Dialect = OPENAI) -> Response:
     received = time.monotonic()
     engine = st.ready_engine()
     guard.require_json(request.headers.get("content-type"))
     body = parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
     # Tokenizing and chat templating take milliseconds per long prompt: off the event loop.
     req = await asyncio.to_thread(parse, body, st.limits(engine), engine.tokenizer)
-    return await run_generation(request, st, engine, req, received)
+    return await run_generation(request, st, engine, req, dialect, received)
 
 
 async def completions(request: Request, st: ServerState) -> Response:
@@ -566,11 +532,11 @@ async def chat_completions(request: Request, st: ServerState) -> Response:
 
 
 async def tgi_generate(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=False))
+    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=False), TGI)
 
 
 async def tgi_generate_stream(request: Request, st: ServerState) -> Response:
-    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=True))
+    return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=True), TGI)
 
 
 def _model_card(st: ServerState, name: str, parent: str | None = None) -> dict:
@@ -660,7 +626,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         detail = f"method {request.method} is not allowed on {request.url.path}"
     return error_response(ProtocolError(detail, status=status, code=str(status),
                                           headers=getattr(exc, "headers", None) or None),
-                          tgi=request.url.path in TGI_PATHS)
+                          dialect_of(request.url.path))
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
@@ -668,7 +634,7 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     st.internal_errors += 1
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(ProtocolError("internal server error", status=500, code="internal_error"),
-                          tgi=request.url.path in TGI_PATHS)
+                          dialect_of(request.url.path))
 
 
 def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory | None = None,
@@ -747,9 +713,9 @@ def _routes() -> list[Any]:
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/load_lora_adapter", endpoint(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", endpoint(unload_lora_adapter), methods=["POST"]),
-        Route("/generate", endpoint(tgi_generate, tgi=True), methods=["POST"]),
-        Route("/generate_stream", endpoint(tgi_generate_stream, tgi=True), methods=["POST"]),
-        Route("/info", endpoint(tgi_info, tgi=True), methods=["GET"]),
+        Route("/generate", endpoint(tgi_generate, dialect=TGI), methods=["POST"]),
+        Route("/generate_stream", endpoint(tgi_generate_stream, dialect=TGI), methods=["POST"]),
+        Route("/info", endpoint(tgi_info, dialect=TGI), methods=["GET"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
@@ -759,9 +725,7 @@ def _routes() -> list[Any]:
 
 
 def _reject_host(scope: dict, message: str) -> Response:
-    if scope.get("path") in TGI_PATHS:     # a bad Host is no bad input: 400, not TGI's 422
-        return json_response(tgi_error_body(message, "validation"), 400)
-    return error_response(ProtocolError(message, status=400, code="invalid_host"))
+    return error_response(ProtocolError(message, status=400, code="invalid_host"), dialect_of(scope.get("path", "")))
 
 
 def _middleware(allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[str] | None) -> list[Middleware]:

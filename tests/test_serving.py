@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -400,9 +401,12 @@ def test_failed_engine_load_exits_1():
     def factory():
         raise FileNotFoundError("no such model: /nowhere")
 
-    t0 = time.monotonic()
-    assert run_server(factory, port=free_port(), log_level="critical", access_log=False) == 1
-    assert time.monotonic() - t0 < 5
+    codes: list[int] = []       # in a thread, so a server that never exits fails instead of hanging
+    runner = threading.Thread(target=lambda: codes.append(
+        run_server(factory, port=free_port(), log_level="critical", access_log=False)), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert codes == [1], "run_server did not exit 1 after the engine failed to load"
 
 
 def test_metrics(server, client):
@@ -562,9 +566,9 @@ def test_sigterm_finishes_in_flight_then_exits_0():
 
 
 def test_sigterm_cancels_in_flight_after_timeout_then_exits_0():
-    proc, url = _start_mock_server("--step-time", "0.01", "--shutdown-timeout", "0.5")
+    # 400 tokens take 20 s at 0.05 s a step: an exit within the 10 s wait is the cancel
+    proc, url = _start_mock_server("--step-time", "0.05", "--shutdown-timeout", "0.5")
     try:
-        t0 = time.monotonic()
         with _stream_then_sigterm(proc, url, max_tokens=400) as lines:
             events = []                 # kept as they come: the server may cut mid-chunk
             try:
@@ -578,7 +582,6 @@ def test_sigterm_cancels_in_flight_after_timeout_then_exits_0():
         assert len(chunks) < 300, len(chunks)
         assert not any(c["choices"][0].get("finish_reason") for c in chunks), chunks[-1:]
         assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - t0 < 3.5         # 400 tokens would take 4 s
     finally:
         proc.kill()
 

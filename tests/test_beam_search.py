@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.engine.beam import BeamState, check_width  # noqa: E402

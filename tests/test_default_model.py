@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402

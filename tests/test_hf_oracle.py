@@ -24,8 +24,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from hf_greedy import teacher_forced_logits  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402

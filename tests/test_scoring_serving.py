@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch
+import transformers  # noqa: F401 - the HF oracle
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mock_engine import serve_in_thread  # noqa: E402
@@ -150,7 +150,7 @@ def test_unsupported_combinations_are_clear_4xx(server, route, body, field):
 
 @pytest.mark.slow
 def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path):
-    lm_eval = pytest.importorskip("lm_eval")
+    import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval_tasks import GEN_TASK, MC_TASK, per_example, write_tasks
 

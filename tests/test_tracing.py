@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("opentelemetry.sdk")
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+import opentelemetry.sdk  # noqa: F401 - required test dependencies
+import opentelemetry.exporter.otlp.proto.http  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mock_engine import MockAsyncEngine, serve_in_thread  # noqa: E402

@@ -119,7 +119,6 @@ def test_engine_watermarks_every_step_and_multi_step_runs(tmp_path):
     """Through the engine: with a delta no logit gap survives, every sampled token is on the
     green list of the token before it, in single steps and in multi-step decode runs (where
     the previous token is fed on the device); an unwatermarked neighbour is unchanged."""
-    pytest.importorskip("transformers")
     from jaxinfer.engine.engine import Engine
     from jaxinfer.loading import load_model
     from test_hf_oracle import FAMILIES, build_family

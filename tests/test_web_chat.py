@@ -34,7 +34,7 @@ BROWSER = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "g
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium): "
                                                          "the chat page's browser test cannot run")]
-sync_api = pytest.importorskip("playwright.sync_api")
+from playwright import sync_api
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAILURES = pathlib.Path(os.environ.get("JAXINFER_TEST_ARTIFACTS", tempfile.gettempdir())) / "jaxinfer-web-failures"

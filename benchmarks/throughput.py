@@ -24,7 +24,9 @@ packed prefill (single-slot chunks of 64..256 tokens, so one prompt per step); s
 ``-nopc`` turns prefix caching (on by default) off, so ``inv,inv-nopc`` is its A/B; suffix
 ``-floats`` runs float32 weights instead of their exact codes (``weight_codes=False``), so
 ``inv,inv-floats`` is that A/B; suffix ``-kv8`` keeps the KV cache as int8 pages
-(``kv_cache_dtype="int8"``), so ``inv,inv-kv8`` is that A/B. The cost of batch invariance is reported as
+(``kv_cache_dtype="int8"``), so ``inv,inv-kv8`` is that A/B; suffix ``-sync`` runs the
+synchronous step loop (``async_scheduling=False``), so ``inv,inv-sync`` is the overlapped
+loop's A/B. The cost of batch invariance is reported as
 (fast / inv - 1) when both are run.
 
 Tuned ladders (``tuned``): decode slots 8/16/32, mixed steps 0 or 32 decode slots,
@@ -54,17 +56,19 @@ def parse_variant(v: str, max_num_seqs: int) -> dict:
     ladder = "tuned"
     if ":" in v:
         ladder, v = v.split(":", 1)
+    v, sync = (v[:-5], True) if v.endswith("-sync") else (v, False)
     v, kv8 = (v[:-4], True) if v.endswith("-kv8") else (v, False)
     v, floats = (v[:-7], True) if v.endswith("-floats") else (v, False)
     v, nopc = (v[:-5], True) if v.endswith("-nopc") else (v, False)
     name, _, budget = v.partition("@")
     if name not in ("inv", "fast") or ladder not in ("tuned", "single", "auto"):
-        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:|single:]inv|fast[@tokens][-nopc][-floats][-kv8])")
+        raise SystemExit(f"--variants: unknown variant {v!r} (use [auto:|single:]inv|fast[@tokens][-nopc][-floats][-kv8][-sync])")
     budget = int(budget or 512)
     cfg = dict(dtype="float32", page_size=16, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
                batch_invariant=name == "inv", enable_prefix_caching=not nopc, weight_codes=not floats,
                kv_cache_dtype="int8" if kv8 else "model",
+               **({"async_scheduling": False} if sync else {}),
                num_pages=max_num_seqs * (MAX_MODEL_LEN // 16) + 8)
     if ladder == "tuned":
         slots = [n for n in range(2, budget // 32 + 1, 2)] or [1]

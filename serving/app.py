@@ -3,12 +3,14 @@
 Routes:
   POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]   (OpenAI)
   POST /generate, POST /generate_stream, GET /info                           (TGI)
+  POST /v1/messages, POST /v1/messages/count_tokens                          (Anthropic)
   GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
   GET /openapi.json                                                          (request schemas)
   GET / and /static/* (the chat page, serving/web/)
 
 Every generation request follows one path: read the body (size-capped), parse and
-validate it into a ``GenRequest`` (serving/openai_request.py, tgi_request.py), then drive
+validate it into a ``GenRequest`` (serving/openai_request.py, tgi_request.py,
+anthropic_request.py), then drive
 ``engine.generate``. The first output is awaited before any response header is sent, so
 errors the engine raises up front (bad input, queue full) still become clean 4xx / 503
 answers, streaming or not. While the engine works, the client's connection is watched
@@ -16,8 +18,9 @@ answers, streaming or not. While the engine works, the client's connection is wa
 client that goes away has its request aborted, which frees its KV pages.
 
 Status codes: 400 bad input (422 on TGI routes, as TGI does; every error on a TGI route
-comes in TGI's ``{"error", "error_type"}`` shape) or a ``Host`` outside the allow-list, 401
-missing/wrong API key, 404/405 unknown route or method, 408 body not received within the
+comes in TGI's ``{"error", "error_type"}`` shape, on Anthropic routes in Anthropic's) or a
+``Host`` outside the allow-list, 401 missing/wrong API key (``Authorization: Bearer`` or
+``x-api-key``), 404 an unknown model on Anthropic routes, 404/405 unknown route or method, 408 body not received within the
 read timeout, 413 body too large, 415 POST body not ``application/json``, 503 queue full /
 engine not ready or dead (with Retry-After). serving/guard.py says why the Host, content
 type and read-timeout checks exist. A 500 means a bug in this server: it is logged and counted in
@@ -53,6 +56,8 @@ from jaxinfer.engine.lora import allowed_dirs
 from jaxinfer.errors import EngineDeadError, QueueFullError, RequestFailedError
 from serving import guard
 from serving import lora_routes
+from serving import anthropic_request
+from serving.anthropic_response import ANTHROPIC
 from serving.dialect import OPENAI, TGI, Answering, Dialect, sse
 from serving.errors import ProtocolError
 from serving.fields import MAX_STOP, Limits, short
@@ -203,13 +208,17 @@ class ServerState:
     # -------------------------------------------------------------- auth
 
     def check_auth(self, request: Request) -> None:
+        """The key as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key``
+        (Anthropic's); both compared in constant time, both always."""
         if not self.api_key:
             return
+        key = self.api_key.encode()
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
-            raise ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  status=401, code="invalid_api_key",
+        bearer = token.strip().encode() if scheme.lower() == "bearer" else b""
+        x_key = request.headers.get("x-api-key", "").strip().encode()
+        if not (hmac.compare_digest(bearer, key) | hmac.compare_digest(x_key, key)):
+            raise ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                  "or 'x-api-key: <key>'", status=401, code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -243,7 +252,8 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 # Routes that answer in another API's error shape than OpenAI's, also for errors raised
 # before a handler runs (404, 405, a bad Host).
-PATH_DIALECTS: dict[str, Dialect] = {"/generate": TGI, "/generate_stream": TGI, "/info": TGI}
+PATH_DIALECTS: dict[str, Dialect] = {"/generate": TGI, "/generate_stream": TGI, "/info": TGI,
+                                     "/v1/messages": ANTHROPIC, "/v1/messages/count_tokens": ANTHROPIC}
 
 
 def dialect_of(path: str) -> Dialect:
@@ -539,6 +549,18 @@ async def tgi_generate_stream(request: Request, st: ServerState) -> Response:
     return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=True), TGI)
 
 
+async def messages(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, anthropic_request.parse_messages_request, ANTHROPIC)
+
+
+async def count_tokens(request: Request, st: ServerState) -> Response:
+    engine = st.ready_engine()
+    guard.require_json(request.headers.get("content-type"))
+    body = parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
+    return json_response(await asyncio.to_thread(anthropic_request.count_tokens, body, st.limits(engine),
+                                                 engine.tokenizer))
+
+
 def _model_card(st: ServerState, name: str, parent: str | None = None) -> dict:
     """``parent``: the base model of a LoRA adapter's card (as vLLM lists adapters)."""
     e = st.engine
@@ -705,7 +727,8 @@ def _lifespan(st: ServerState) -> Callable[[Starlette], Any]:
 
 
 def _routes() -> list[Any]:
-    """The API's routes: OpenAI's, LoRA admin, TGI's, health, metrics, the schema and the chat page."""
+    """The API's routes: OpenAI's, LoRA admin, TGI's, Anthropic's, health, metrics, the schema and
+    the chat page."""
     return [
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
@@ -716,6 +739,8 @@ def _routes() -> list[Any]:
         Route("/generate", endpoint(tgi_generate, dialect=TGI), methods=["POST"]),
         Route("/generate_stream", endpoint(tgi_generate_stream, dialect=TGI), methods=["POST"]),
         Route("/info", endpoint(tgi_info, dialect=TGI), methods=["GET"]),
+        Route("/v1/messages", endpoint(messages, dialect=ANTHROPIC), methods=["POST"]),
+        Route("/v1/messages/count_tokens", endpoint(count_tokens, dialect=ANTHROPIC), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
@@ -735,6 +760,7 @@ def _middleware(allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[s
         stack.append(Middleware(guard.HostGuard, allowed=tuple(allowed_hosts), reject=_reject_host))
     if allowed_origins:
         stack.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                                allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+                                allow_methods=["GET", "POST"],
+                                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
                                 max_age=600))
     return stack

@@ -1,4 +1,4 @@
-"""Client errors: ``ProtocolError`` and the two APIs' error bodies."""
+"""Client errors: ``ProtocolError`` and the APIs' error bodies (OpenAI's, TGI's, Anthropic's)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def openai_error_body(message: str, err_type: str, param: str | None = None,
 
 def tgi_error_body(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
+
+
+def anthropic_error_body(message: str, err_type: str) -> dict:
+    return {"type": "error", "error": {"type": err_type, "message": message}}
 
 
 def bad(param: str, msg: str, **kw: Any) -> ProtocolError:

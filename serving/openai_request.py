@@ -12,7 +12,7 @@ from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, chec
 from serving import tools as T
 from serving.guided_protocol import openai_constraints
 from serving.scoring_request import openai_search, watermark
-from serving.request import (GenRequest, check_model, decode_ids, encode_text,
+from serving.request import (GenRequest, chat_prompt_ids, check_model, decode_ids, encode_text,
                              resolve_max_tokens, sampling_params)
 
 
@@ -139,15 +139,7 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
             raise bad("tool_choice", "a required or named tool choice cannot be combined with "
                       "response_format or guided decoding")
         sampling["guided"] = T.call_grammar(tool_spec)
-    try:
-        if tool_spec is not None:
-            ids = list(T.render_messages(messages, tool_spec, tokenizer))
-        else:
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
-    except Exception as e:
-        raise bad("messages", f"could not apply the chat template: {e}") from None
-    if not ids:
-        raise bad("messages", "the chat template produced no tokens")
+    ids = chat_prompt_ids(messages, tool_spec, tokenizer, add_gen)
     sampling["max_tokens"] = resolve_max_tokens(max_tokens, None, len(ids), limits, max_param, "messages")
     k = (top or 0) if want else None
     params = sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
@@ -183,7 +175,7 @@ def _chat_messages(msgs: Any) -> list[dict]:
             raise bad(f"{name}.content", f"must be a string or an array of text parts, got {type_name(content)}")
         if role == "assistant" and m.get("tool_calls"):
             calls = T.assistant_calls_text(m["tool_calls"], f"{name}.tool_calls")
-            content = f"{content}\n{calls}" if content else calls
+            content = T.with_calls(content, calls)
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 

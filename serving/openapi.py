@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxinfer.sampling_params import SamplingParams
+from serving import anthropic_request as AR
 from serving.fields import MAX_STOP, SEED_MAX, SEED_MIN
 from serving.openai_request import CHAT_ROLES
 
@@ -23,6 +24,35 @@ _SAMPLING = dict(
     watermark={"oneOf": [_BOOL, {"type": "object", "properties": {"gamma": _NUM, "delta": _NUM}}]},
 )
 _EARLY = {"oneOf": [_BOOL, {"const": "never"}]}
+
+
+def _anthropic(count: bool) -> dict:
+    """The Messages API body (``count``: count_tokens', which has no max_tokens or sampling)."""
+    text = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {**_STR, "maxLength": AR.MAX_TEXT_CHARS}}}
+    ident = {**_STR, "minLength": 1, "maxLength": AR.MAX_ID_CHARS}
+    block = {"oneOf": [text, {"type": "object", "required": ["type", "id", "name"], "properties": {
+        "type": {"const": "tool_use"}, "id": ident, "name": ident, "input": {"type": "object"}}},
+        {"type": "object", "required": ["type", "tool_use_id"], "properties": {
+            "type": {"const": "tool_result"}, "tool_use_id": ident, "is_error": _BOOL,
+            "content": {"oneOf": [_STR, {"type": "array", "items": text}]}}}]}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": list(AR.ROLES)},
+        "content": {"oneOf": [_STR, {"type": "array", "items": block, "maxItems": AR.MAX_BLOCKS}]}}}
+    tool = {"type": "object", "required": ["name"], "properties": {
+        "name": _STR, "description": _STR, "input_schema": {"type": "object"}}}
+    props = {"model": _STR, "system": {"oneOf": [_STR, {"type": "array", "items": text}]},
+             "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": AR.MAX_MESSAGES},
+             "tools": {"type": "array", "items": tool}, "tool_choice": {"type": "object", "required": ["type"],
+             "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}, "name": _STR,
+                            "disable_parallel_tool_use": _BOOL}}}
+    if not count:
+        props.update(max_tokens=_B["max_tokens"], temperature=_B["temperature"], top_p=_B["top_p"],
+                     top_k={**_INT, "minimum": 0}, stream=_BOOL,
+                     stop_sequences={"type": "array", "items": _STR, "maxItems": MAX_STOP},
+                     metadata={"type": "object", "properties": {"user_id": {**_STR, "maxLength": AR.MAX_ID_CHARS}}})
+    return {"type": "object", "required": ["model", "messages"] + ([] if count else ["max_tokens"]),
+            "properties": props}
 
 
 def openapi_schema() -> dict:
@@ -66,13 +96,16 @@ def openapi_schema() -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxinfer", "version": "0.1.0",
-                 "description": "OpenAI-compatible and TGI-compatible LLM serving on JAX"},
+                 "description": "OpenAI-, TGI- and Anthropic-compatible LLM serving on JAX"},
         "paths": {
             "/v1/completions": post("OpenAI text completion", completion),
             "/v1/chat/completions": post("OpenAI chat completion", chat),
             "/v1/models": get, "/v1/models/{model}": get,
             "/generate": post("TGI generate", tgi, stream=False),
             "/generate_stream": post("TGI generate, streamed", tgi),
+            "/v1/messages": post("Anthropic Messages", _anthropic(False)),
+            "/v1/messages/count_tokens": post("Anthropic Messages: count the prompt's tokens", _anthropic(True),
+                                              stream=False),
             "/info": get, "/health": {"get": {"responses": {"200": ok_json, "503": err}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
         },

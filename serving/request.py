@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxinfer.sampling_params import SamplingParams
+from serving import tools as T
 from serving.errors import bad
 from serving.fields import Fields, Limits, short
 
@@ -81,6 +82,22 @@ def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
         raise bad(param, f"could not be tokenized: {e}") from None
     if not ids:
         raise bad(param, "tokenizes to no tokens")
+    return ids
+
+
+def chat_prompt_ids(messages: list[dict], tools: Any, tokenizer: Any, add_generation_prompt: bool = True,
+                    param: str = "messages") -> list[int]:
+    """Chat-template messages (and a serving.tools.ToolSpec or None) -> prompt ids, the one
+    place every chat-shaped API renders its conversation; errors name ``param``."""
+    try:
+        if tools is not None:
+            ids = list(T.render_messages(messages, tools, tokenizer))
+        else:
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+    except Exception as e:
+        raise bad(param, f"could not apply the chat template: {e}") from None
+    if not ids:
+        raise bad(param, "the chat template produced no tokens")
     return ids
 
 

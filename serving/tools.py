@@ -51,42 +51,59 @@ def parse_tools(body: dict) -> ToolSpec | None:
         if choice not in (None, "none", "auto"):
             raise bad("tool_choice", "needs tools")
         return None
+    check_tool_list(tools)
+    fns = []
+    for i, t in enumerate(tools):
+        name = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise bad(name, "must be {\"type\": \"function\", \"function\": {...}}")
+        fns.append(function_dict(t["function"], f"{name}.function.", "parameters"))
+    if choice in (None, "auto"):
+        return tool_spec(fns, "auto")
+    if choice == "none":
+        return None
+    if choice == "required":
+        return tool_spec(fns, "required")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        return tool_spec(fns, "named", choice["function"].get("name"))
+    raise bad("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+              "\"function\": {\"name\": ...}}")
+
+
+def check_tool_list(tools: Any) -> None:
+    """The bounds every API's ``tools`` array is held to."""
     if not isinstance(tools, list):
         raise bad("tools", f"must be an array of tool objects, got {type_name(tools)}")
     if len(tools) > MAX_TOOLS:
         raise bad("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     if len(json.dumps(tools)) > MAX_TOOLS_CHARS:
         raise bad("tools", f"the tools' JSON is over the limit of {MAX_TOOLS_CHARS} characters")
-    fns = []
-    for i, t in enumerate(tools):
-        name = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise bad(name, "must be {\"type\": \"function\", \"function\": {...}}")
-        fn = t["function"]
-        if not isinstance(fn.get("name"), str) or not _NAME.match(fn["name"]):
-            raise bad(f"{name}.function.name", "must be 1-64 letters, digits, '_', '-' or '.'")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise bad(f"{name}.function.parameters", f"must be a JSON schema object, got {type_name(params)}")
-        desc = fn.get("description", "")
-        if not isinstance(desc, str):
-            raise bad(f"{name}.function.description", "must be a string")
-        fns.append({"name": fn["name"], "description": desc, "parameters": params})
+
+
+def function_dict(fn: dict, prefix: str, schema_key: str) -> dict:
+    """One tool's name, description and parameter schema (read from ``schema_key``:
+    OpenAI's ``parameters``, Anthropic's ``input_schema``) -> the function dict a ToolSpec
+    holds; errors name ``prefix`` + the field."""
+    if not isinstance(fn.get("name"), str) or not _NAME.match(fn["name"]):
+        raise bad(f"{prefix}name", "must be 1-64 letters, digits, '_', '-' or '.'")
+    params = fn.get(schema_key, {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise bad(f"{prefix}{schema_key}", f"must be a JSON schema object, got {type_name(params)}")
+    desc = fn.get("description", "")
+    if desc is None:
+        desc = ""
+    if not isinstance(desc, str):
+        raise bad(f"{prefix}description", "must be a string")
+    return {"name": fn["name"], "description": desc, "parameters": params}
+
+
+def tool_spec(fns: list[dict], choice: str, named: Any = None) -> ToolSpec:
+    """The checked functions and choice ("auto" | "required" | "named") -> ToolSpec."""
     if len({f["name"] for f in fns}) != len(fns):
         raise bad("tools", "function names must be unique")
-    if choice in (None, "auto"):
-        return ToolSpec(tuple(fns), "auto")
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolSpec(tuple(fns), "required")
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        want = choice["function"].get("name")
-        if want not in {f["name"] for f in fns}:
-            raise bad("tool_choice", f"names a function that is not in tools: {want!r:.64}")
-        return ToolSpec(tuple(fns), "named", want)
-    raise bad("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-              "\"function\": {\"name\": ...}}")
+    if choice == "named" and named not in {f["name"] for f in fns}:
+        raise bad("tool_choice", f"names a function that is not in tools: {named!r:.64}")
+    return ToolSpec(tuple(fns), choice, named if choice == "named" else None)
 
 
 def call_grammar(spec: ToolSpec) -> dict:
@@ -140,8 +157,19 @@ def assistant_calls_text(calls: Any, name: str) -> str:
             args = json.loads(args) if isinstance(args, str) else args
         except ValueError:
             raise bad(f"{name}[{i}].function.arguments", "must be a JSON object (as text)") from None
-        blocks.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>")
-    return "\n".join(blocks)
+        blocks.append((fn["name"], args))
+    return calls_text(blocks)
+
+
+def calls_text(calls: list[tuple[str, Any]]) -> str:
+    """(name, arguments) pairs in the model's format: one ``<tool_call>`` block each."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a}) + "\n</tool_call>"
+                     for n, a in calls)
+
+
+def with_calls(content: str, calls: str) -> str:
+    """An assistant turn's text followed by its calls, as the next prompt shows them."""
+    return f"{content}\n{calls}" if content else calls
 
 
 def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict]]:
@@ -168,22 +196,28 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict]]
     return (content or None), calls
 
 
+def hold_tool_text(held: str, new: str, spec: ToolSpec) -> tuple[str, str]:
+    """(text that can stream now, text to hold) for a reply that may turn into tool calls.
+    With ``auto`` the text streams up to where a ``<tool_call>`` begins (a tail that could
+    be the start of the tag is held back); from the tag on (and for required / named, from
+    the start) it is held until the reply ends, then parsed (``parse_tool_calls``)."""
+    held += new
+    if spec.constrained:
+        return "", held
+    cut = _safe_prefix(held)
+    return held[:cut], held[cut:]
+
+
 def stream_tool_deltas(streamer: Any, d: Any) -> list[dict]:
-    """Chat stream choices for a request with tools. With ``auto`` the text streams as
-    content up to where a ``<tool_call>`` begins (a tail that could be the start of the tag
-    is held back); from the tag on (and for required / named, from the start) the text is
-    held (``streamer.held``) until the choice ends. Then its tool calls go out as OpenAI
-    sends them (one delta with the call's id, type and name, one with its arguments) with
+    """Chat stream choices for a request with tools (``hold_tool_text``; the held text is in
+    ``streamer.held``). When the choice ends its tool calls go out as OpenAI sends them
+    (one delta with the call's id, type and name, one with its arguments) with
     ``finish_reason: "tool_calls"``, or, if it parses as none, the held text as content."""
     spec: ToolSpec = streamer.req.tools
-    held = streamer.held.get(d.index, "") + d.text
+    now, held = hold_tool_text(streamer.held.get(d.index, ""), d.text, spec)
     out = []
-    if not spec.constrained:
-        cut = _safe_prefix(held)
-        if cut:
-            out.append({"index": d.index, "delta": {"content": held[:cut]}, "logprobs": None,
-                        "finish_reason": None})
-            held = held[cut:]
+    if now:
+        out.append({"index": d.index, "delta": {"content": now}, "logprobs": None, "finish_reason": None})
     streamer.held[d.index] = held
     if d.finish_reason is None:
         return out

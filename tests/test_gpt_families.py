@@ -68,6 +68,9 @@ CASES = {
     "mpt-6-heads-clip": ("MptForCausalLM", "MptConfig",
                          dict(d_model=96, n_layers=2, n_heads=6, max_seq_len=NPOS,
                               attn_config=dict(clip_qkv=0.3))),
+    # transformers builds the MLP 4 x d_model whatever expansion_ratio says: so do we
+    "mpt-expansion-ratio-2": ("MptForCausalLM", "MptConfig",
+                              dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=NPOS, expansion_ratio=2)),
 }
 FAMILIES = list(CASES)[:7]
 PROMPTS = [np.random.RandomState(i).randint(3, V, size=n).tolist() for i, n in enumerate((3, 17, 45, 70))]

@@ -81,7 +81,7 @@ def config(path: str, arch: str, meta: dict, infos: dict) -> dict[str, Any]:
             raise ValueError(f"{path}: mpt.attention.head_count_kv {kvh} != head_count {H}: "
                              "grouped-query MPT is not supported")
         clip = meta.get("mpt.attention.clamp_kqv")
-        c.update(d_model=D, n_heads=H, n_layers=L, max_seq_len=ctx, expansion_ratio=ffn // D,
+        c.update(d_model=D, n_heads=H, n_layers=L, max_seq_len=ctx, ffn_hidden_size=ffn,
                  layer_norm_epsilon=eps, no_bias=True,
                  attn_config={"alibi": float(key("attention.max_alibi_bias", 0.0)) > 0,
                               "alibi_bias_max": float(key("attention.max_alibi_bias", 0.0)),

@@ -231,7 +231,9 @@ def _mpt(r: _Reader) -> dict[str, Any]:
     clip = a.get("clip_qkv", None)
     scale = a.get("softmax_scale", None)
     return dict(hidden_size=D, num_heads=H, num_kv_heads=H, num_layers=int(r.need("n_layers", "num_hidden_layers")),
-                intermediate_size=int(r.get("expansion_ratio", 4)) * D,
+                # transformers' MptMLP is 4 x d_model whatever expansion_ratio says, and so are
+                # the checkpoints it saves; a GGUF's converter names its real width (gguf_gpt.py).
+                intermediate_size=int(r.get("ffn_hidden_size", 4 * D)),
                 max_position_embeddings=int(r.get("max_seq_len", 2048)),
                 rms_norm_eps=float(r.get("layer_norm_epsilon", 1e-5)), hidden_act="gelu",
                 attn_scale=None if scale is None else float(scale),

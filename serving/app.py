@@ -64,6 +64,7 @@ from serving.fields import MAX_STOP, Limits, short
 from serving.jsonio import dumps, parse_json_body
 from serving.openai_request import parse_chat_request, parse_completion_request
 from serving.openapi import openapi_schema
+from serving.reasoning import reasoning_parser as reasoning_parser_for
 from serving.request import GenRequest
 from serving.tgi_request import parse_tgi_request
 from serving.token_texts import TokenTexts
@@ -124,6 +125,7 @@ class ServerState:
     on_load_error: Callable[[BaseException], None] | None = None
     tracing: Any = None          # serving.tracing.RequestTracing when traces are exported
     lora_dirs: tuple[str, ...] = ()   # real paths /v1/load_lora_adapter may read (lora.allowed_dirs)
+    reasoning_parser: str | None = None   # --reasoning-parser: serving/reasoning.py's name
     internal_errors: int = 0
     load_error: str | None = None
     load_task: asyncio.Task | None = None
@@ -174,7 +176,8 @@ class ServerState:
             except TypeError:
                 vocab = getattr(tok, "vocab_size", None)
             self._limits = Limits(self.model_names(), int(engine.max_model_len),
-                                    max(1, min(self.max_n, int(engine.max_num_seqs))), vocab)
+                                    max(1, min(self.max_n, int(engine.max_num_seqs))), vocab,
+                                    reasoning_parser=self.reasoning_parser)
         names = self.all_model_names()
         if names != self._limits.model_names:       # adapters were loaded or unloaded
             self._limits = dataclasses.replace(self._limits, model_names=names)
@@ -668,7 +671,7 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
               tracing: Any = None, allowed_hosts: Iterable[str] | None = None,
               allowed_origins: Iterable[str] | None = None,
               read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S,
-              lora_dirs: Iterable[str] = ()) -> Starlette:
+              lora_dirs: Iterable[str] = (), reasoning_parser: str | None = None) -> Starlette:
     """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
 
     A factory is called once the server is listening, so /health can answer 503 while the
@@ -682,16 +685,19 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
     CORS (None: no CORS headers, so browsers keep other origins out). ``read_timeout_s``:
     a request body must arrive in full within it (else 408). ``lora_dirs``: the directories
     /v1/load_lora_adapter may load adapters from (none: loading by path is refused).
+    ``reasoning_parser``: split chat replies' thinking off (a name in
+    ``serving.reasoning.PARSER_NAMES``; None: replies are all content).
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("build_app: pass exactly one of engine, engine_factory")
+    reasoning_parser_for(reasoning_parser)     # an unknown name fails here, not on a request
     st = ServerState(engine=engine, engine_factory=engine_factory,
                      served_model_names=tuple(served_model_names) if served_model_names else None,
                      api_key=api_key or None, max_body_bytes=max_body_bytes, max_n=max_n,
                      retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
                      on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s,
-                     lora_dirs=allowed_dirs(lora_dirs))
+                     lora_dirs=allowed_dirs(lora_dirs), reasoning_parser=reasoning_parser)
     app = Starlette(routes=_routes(), lifespan=_lifespan(st),
                     middleware=_middleware(allowed_hosts, allowed_origins),
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})

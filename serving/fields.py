@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -15,6 +16,9 @@ MAX_STOP_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 _TOP_K = SamplingParams.BOUNDS["top_k"]
+MAX_TEMPLATE_KWARGS = 16          # chat_template_kwargs: entries per request
+MAX_TEMPLATE_KWARG_CHARS = 1024   # ... characters per string value
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")    # a Jinja variable's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,7 @@ class Limits:
     max_model_len: int
     max_n: int
     vocab_size: int | None = None
+    reasoning_parser: str | None = None     # --reasoning-parser (serving/reasoning.py)
 
 
 def is_int(v: Any) -> bool:
@@ -114,6 +119,28 @@ class Fields:
         if not isinstance(v, dict):
             raise bad(self.name(key), f"must be an object, got {type_name(v)}")
         return v
+
+    def template_kwargs(self, key: str) -> dict[str, Any]:
+        """A chat template's extra variables (``{"enable_thinking": false}``): a small object of
+        JSON scalars, each name a template variable's. A name the template call itself takes
+        (``tokenize``, ``tools``) is refused by the tokenizer (jaxinfer/loading/tokenizer.py)."""
+        d = self.obj(key)
+        if d is None:
+            return {}
+        if len(d) > MAX_TEMPLATE_KWARGS:
+            raise bad(self.name(key), f"at most {MAX_TEMPLATE_KWARGS} entries, got {len(d)}")
+        for k, v in d.items():
+            if not _TEMPLATE_NAME.match(k):
+                raise bad(self.name(key), f"names must be 1-64 letters, digits or '_' (not starting "
+                          f"with a digit), got {short(k)}")
+            name = f"{self.name(key)}.{k}"
+            if isinstance(v, (dict, list)):
+                raise bad(name, f"must be a string, number, boolean or null, got {type_name(v)}")
+            if isinstance(v, str) and len(v) > MAX_TEMPLATE_KWARG_CHARS:
+                raise bad(name, f"at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {len(v)}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(name, "must be finite")
+        return dict(d)
 
     def stop(self, key: str = "stop") -> tuple[str, ...]:
         v = self.d.get(key)

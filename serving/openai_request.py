@@ -3,6 +3,7 @@ fields) -> ``GenRequest``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxinfer.sampling_params import SamplingParams
@@ -11,6 +12,7 @@ from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, chec
                             Limits, is_int, short, type_name)
 from serving import tools as T
 from serving.guided_protocol import openai_constraints
+from serving.reasoning import reasoning_parser
 from serving.scoring_request import openai_search, watermark
 from serving.request import (GenRequest, chat_prompt_ids, check_model, decode_ids, encode_text,
                              resolve_max_tokens, sampling_params)
@@ -133,18 +135,22 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
         max_tokens, max_param = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"]), "max_tokens"
     messages = _chat_messages(body.get("messages"))
     add_gen = f.bool("add_generation_prompt", True)
-    f.obj("chat_template_kwargs")
+    template_kwargs = f.template_kwargs("chat_template_kwargs")
+    reasoning = reasoning_parser(limits.reasoning_parser, template_kwargs)
+    if not f.bool("include_reasoning", True) and reasoning is not None:
+        reasoning = dataclasses.replace(reasoning, hidden=True)
+        want = False   # as vLLM: no logprobs either, they would show the hidden reasoning's tokens
     if tool_spec is not None and tool_spec.constrained:
         if "guided" in sampling:
             raise bad("tool_choice", "a required or named tool choice cannot be combined with "
                       "response_format or guided decoding")
         sampling["guided"] = T.call_grammar(tool_spec)
-    ids = chat_prompt_ids(messages, tool_spec, tokenizer, add_gen)
+    ids = chat_prompt_ids(messages, tool_spec, tokenizer, add_gen, template_kwargs=template_kwargs)
     sampling["max_tokens"] = resolve_max_tokens(max_tokens, None, len(ids), limits, max_param, "messages")
     k = (top or 0) if want else None
     params = sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
     return GenRequest("chat", model, ids, "", params, **flags,
-                      top_logprobs=k, tools=tool_spec)
+                      top_logprobs=k, tools=tool_spec, reasoning=reasoning)
 
 
 def _chat_messages(msgs: Any) -> list[dict]:

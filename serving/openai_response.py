@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from jaxinfer.outputs import Logprob, RequestOutput
 from serving import scoring_response as SR
+from serving.reasoning import ReasoningStream
 from serving.request import GenRequest
 from serving.tools import parse_tool_calls, stream_tool_deltas
 from serving.stream import Delta, DeltaTracker
@@ -72,19 +74,40 @@ def completion_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) 
             "model": req.model, "choices": choices, "usage": output_usage(req, out)}
 
 
+def chat_message(req: GenRequest, text: str) -> tuple[dict, bool]:
+    """A choice's assistant message from its whole text -> (message, whether it is tool
+    calls): the reasoning split off first (``--reasoning-parser``), then the tool calls
+    parsed out of the content that is left."""
+    message: dict = {"role": "assistant", "content": text}
+    if req.reasoning is not None:
+        thought, text = req.reasoning.split(text)
+        message = {"role": "assistant", "content": text or None,
+                   **reasoning_fields(None if req.reasoning.hidden else thought)}
+    message["tool_calls"] = []
+    if req.tools is not None:
+        content, calls = parse_tool_calls(text, req.tools)
+        if calls:
+            message.update(content=content, tool_calls=calls)
+            return message, True
+    return message, False
+
+
+def reasoning_fields(thought: str | None) -> dict:
+    """The reasoning as OpenAI-compatible servers name it: ``reasoning_content`` (DeepSeek's
+    API, older vLLM) and ``reasoning`` (vLLM's name since 0.11; the only one in 0.32)."""
+    return {"reasoning_content": thought, "reasoning": thought}
+
+
 def chat_response(req: GenRequest, out: RequestOutput, texts: TokenTexts) -> dict:
     choices = []
     for o in out.outputs:
         lp = None
         if req.top_logprobs is not None and o.logprobs is not None:
             lp = chat_logprobs(o.logprobs, req.top_logprobs, texts)
-        message, finish = {"role": "assistant", "content": o.text, "tool_calls": []}, o.finish_reason
-        if req.tools is not None:
-            content, calls = parse_tool_calls(o.text, req.tools)
-            if calls:
-                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        choices.append({"index": o.index, "message": message,
-                        "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason})
+        message, called = chat_message(req, o.text)
+        choices.append({"index": o.index, "message": message, "logprobs": lp,
+                        "finish_reason": "tool_calls" if called else o.finish_reason,
+                        "stop_reason": o.stop_reason})
     return {"id": completion_id(req), "object": "chat.completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": output_usage(req, out),
             "system_fingerprint": None}
@@ -99,6 +122,7 @@ class OpenAIStreamer:
         self.tracker = DeltaTracker(req.params.n)
         self.offsets = [len(req.prompt_text) if req.echo else 0] * req.params.n
         self.held: dict[int, str] = {}      # chat with tools: each choice's text until it ends
+        self.thinking: dict[int, ReasoningStream] = {}   # --reasoning-parser: each choice's split
         self.out: RequestOutput | None = None   # the output the chunks being built come from
 
     def _chunk(self, choices: list[dict]) -> dict:
@@ -140,16 +164,34 @@ class OpenAIStreamer:
         if d.first:   # OpenAI opens each choice with the role
             res.append(self._chunk([{"index": d.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
+        thought, d = self._think(d) if self.req.reasoning is not None else ("", d)
         if self.req.tools is not None:
             # A reply may turn out to be tool calls: its text is held until it ends.
+            if thought:
+                res.append(self._chunk([{"index": d.index, "delta": reasoning_fields(thought),
+                                         "logprobs": None, "finish_reason": None}]))
             return res + [self._chunk([c]) for c in stream_tool_deltas(self, d)]
         lp = None
         if self.req.top_logprobs is not None and d.logprobs is not None:
             lp = chat_logprobs(d.logprobs, self.req.top_logprobs, self.texts)
-        delta = {"content": d.text} if d.text else {}
-        res.append(self._chunk([{"index": d.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+        delta = reasoning_fields(thought) if thought else {}
+        if d.text:
+            delta["content"] = d.text
+        if delta or lp is not None or d.finish_reason is not None:   # else all of it is held back
+            res.append(self._chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
         return res
+
+    def _think(self, d: Delta) -> tuple[str, Delta]:
+        """Split a choice's delta into its reasoning text and a delta of its content."""
+        s = self.thinking.get(d.index)
+        if s is None:
+            s = self.thinking[d.index] = self.req.reasoning.stream()
+        thought, content = s.feed(d.text)
+        if d.finish_reason is not None:
+            more_thought, more = s.finish()
+            thought, content = thought + more_thought, content + more
+        return ("" if self.req.reasoning.hidden else thought), dataclasses.replace(d, text=content)
 
     def usage_chunk(self, out: RequestOutput | None) -> dict:
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"

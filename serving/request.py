@@ -33,6 +33,7 @@ class GenRequest:
     return_full_text: bool = False
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
+    reasoning: Any = None          # serving.reasoning.ReasoningParser: split the thinking off the reply
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -86,16 +87,20 @@ def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
 
 
 def chat_prompt_ids(messages: list[dict], tools: Any, tokenizer: Any, add_generation_prompt: bool = True,
-                    param: str = "messages") -> list[int]:
+                    param: str = "messages", template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Chat-template messages (and a serving.tools.ToolSpec or None) -> prompt ids, the one
-    place every chat-shaped API renders its conversation; errors name ``param``."""
+    place every chat-shaped API renders its conversation; errors name ``param``.
+    ``template_kwargs``: the template's extra variables (``chat_template_kwargs``)."""
     try:
         if tools is not None:
-            ids = list(T.render_messages(messages, tools, tokenizer))
+            ids = list(T.render_messages(messages, tools, tokenizer, template_kwargs))
         else:
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     template_kwargs=template_kwargs))
     except Exception as e:
-        raise bad(param, f"could not apply the chat template: {e}") from None
+        # The tokenizer says "template_kwargs: ..." of a kwarg it refuses.
+        where = "chat_template_kwargs" if str(e).startswith("template_kwargs") else param
+        raise bad(where, f"could not apply the chat template: {e}") from None
     if not ids:
         raise bad(param, "the chat template produced no tokens")
     return ids

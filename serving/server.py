@@ -35,6 +35,7 @@ import uvicorn
 
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, build_app
 from serving.guard import DEFAULT_READ_TIMEOUT_S, default_allowed_hosts, guarded_h11_protocol, is_loopback
+from serving.reasoning import PARSER_NAMES
 
 log = logging.getLogger("jaxinfer.serving")
 
@@ -82,6 +83,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "under DIR (its lora_path resolved, symlinks and '..' included, must lie "
                         "inside one; a relative lora_path is taken under the first DIR). Without it "
                         "loading over HTTP is refused; --lora-modules adapters load from anywhere")
+    g.add_argument("--reasoning-parser", default=None, choices=PARSER_NAMES, metavar="NAME",
+                   help="split a thinking model's <think>...</think> off its chat replies into "
+                        "reasoning_content (vLLM's names: " + ", ".join(PARSER_NAMES) + "; default: none)")
 
 
 def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
@@ -99,7 +103,8 @@ def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
                       max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                       access_log=not args.no_access_log, tracing=tracing,
                       allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                      read_timeout_s=args.read_timeout, lora_dirs=getattr(args, "lora_dir", ()))
+                      read_timeout_s=args.read_timeout, lora_dirs=getattr(args, "lora_dir", ()),
+                      reasoning_parser=getattr(args, "reasoning_parser", None))
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
@@ -128,11 +133,13 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
                max_n: int = DEFAULT_MAX_N, shutdown_timeout: float = 30.0, log_level: str = "info",
                access_log: bool = True, sock: socket.socket | None = None, tracing: Any = None,
                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, lora_dirs: Iterable[str] = ()) -> int:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, lora_dirs: Iterable[str] = (),
+               reasoning_parser: str | None = None) -> int:
     """Serve until SIGTERM / SIGINT; return 0 after a graceful shutdown.
 
     ``allowed_hosts`` None: the loopback names when bound to loopback, else any Host.
     ``lora_dirs``: where /v1/load_lora_adapter may load adapters from (build_app).
+    ``reasoning_parser``: serving/reasoning.py's parser for chat replies (build_app).
 
     ``engine`` is either ready (has ``generate``) or a zero-argument factory called after
     the server starts listening (then /health answers 503 until it returns a warm engine).
@@ -169,7 +176,8 @@ def run_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, api_ke
                     max_body_bytes=max_body_bytes, max_n=max_n, on_ready=on_ready,
                     on_load_error=on_load_error, tracing=tracing,
                     allowed_hosts=allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host),
-                    allowed_origins=allowed_origins, read_timeout_s=read_timeout_s, lora_dirs=lora_dirs)
+                    allowed_origins=allowed_origins, read_timeout_s=read_timeout_s, lora_dirs=lora_dirs,
+                    reasoning_parser=reasoning_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout,
                             http=guarded_h11_protocol(read_timeout_s))

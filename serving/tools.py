@@ -126,20 +126,23 @@ def system_prompt(spec: ToolSpec) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
-def render_messages(messages: list[dict], spec: ToolSpec, tokenizer: Any) -> list[int]:
+def render_messages(messages: list[dict], spec: ToolSpec, tokenizer: Any,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Prompt ids with the tools shown: by the template when it reads ``tools``, else as a
-    system message (merged with the conversation's own system message, if any)."""
+    system message (merged with the conversation's own system message, if any).
+    ``template_kwargs``: the request's chat_template_kwargs."""
     template = tokenizer.chat_template or ""
     if "tools" in template:
         tools = [{"type": "function", "function": f} for f in spec.functions]
-        text = tokenizer.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.render_chat(messages, add_generation_prompt=True, template_kwargs=template_kwargs,
+                                     tools=tools)
         return tokenizer.encode(text, add_special_tokens=False)
     sys_text = system_prompt(spec)
     if messages and messages[0]["role"] == "system":
         messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + sys_text}] + messages[1:]
     else:
         messages = [{"role": "system", "content": sys_text}] + messages
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, template_kwargs=template_kwargs)
 
 
 def assistant_calls_text(calls: Any, name: str) -> str:

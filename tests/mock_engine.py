@@ -72,7 +72,8 @@ class CharTokenizer:
                 raise ValueError(f"token id {i} is out of range")
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: dict | None = None) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty")
         ids: list[int] = []

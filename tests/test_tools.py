@@ -71,7 +71,7 @@ class _Tok:
         self.chat_template = template
         self.seen = None
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, template_kwargs=None):
         self.seen = messages
         return [1, 2, 3]
 
@@ -140,12 +140,11 @@ def test_a_template_that_reads_tools_renders_them():
 
     seen = {}
 
-    def apply(messages, tools=None, tokenize=False, add_generation_prompt=True):
+    def render(messages, add_generation_prompt=True, template_kwargs=None, tools=None):
         seen.update(messages=messages, tools=tools)
         return "rendered"
 
-    tok = SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}",
-                          hf=SimpleNamespace(apply_chat_template=apply),
+    tok = SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}", render_chat=render,
                           encode=lambda text, add_special_tokens=False: [len(text)])
     msgs = [{"role": "user", "content": "hi"}]
     assert T.render_messages(msgs, spec(), tok) == [len("rendered")]

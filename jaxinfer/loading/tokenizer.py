@@ -16,6 +16,7 @@ Tokens marked CONTROL (type 3) become special added tokens (never split, skipped
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -49,6 +50,16 @@ _SPLIT_PRE = {
 # and llama.cpp does the same for these pre-tokenizer types.
 _IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe")
 SUPPORTED_GGUF_PRE = _GPT2_PRE + _DIGITS_GPT2_PRE + tuple(_SPLIT_PRE)
+
+# Names a chat template's extra variables (``template_kwargs``) may not take: transformers'
+# apply_chat_template arguments (``tokenize`` would return ids, ``chat_template`` swap the
+# template), the variables it passes itself, and the special tokens it fills in.
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs", "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "sep_token",
+    "pad_token", "cls_token", "mask_token", "additional_special_tokens"))
 
 # Chat end-of-turn markers: when the chat template emits one and the vocabulary marks it
 # CONTROL, generation must stop on it even if the file names a different EOS.
@@ -255,18 +266,30 @@ class Tokenizer:
             return self.hf.convert_ids_to_tokens(ids)
         return self.hf.convert_ids_to_tokens([int(i) for i in ids])
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (validated), special tokens spelled out."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template's text for ``messages`` (validated), special tokens spelled out.
+        ``template_kwargs``: more variables for the template (e.g. ``enable_thinking``); none
+        may be one of ``apply_chat_template``'s own arguments (``RESERVED_TEMPLATE_KWARGS``).
+        ``tools``: OpenAI tool objects, for a template that renders them."""
         _validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass a plain prompt instead")
+        kw = dict(template_kwargs or {})
+        clash = sorted(set(kw) & (RESERVED_TEMPLATE_KWARGS | _template_call_args(type(self.hf))))
+        if clash:
+            raise ValueError(f"template_kwargs: {', '.join(clash)} cannot be set (an argument of the template call)")
+        if tools is not None:
+            kw["tools"] = tools
         return self.hf.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **kw)
 
-    def apply_chat_template(self, messages: list[dict],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         # The template writes BOS/control tokens itself, so none are added on top (as HF does).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:
@@ -422,6 +445,17 @@ def _gguf_end_ids(meta: Mapping[str, Any], tokens: list[str], types: list[int]) 
         index = {t: i for i, t in enumerate(tokens) if types[i] == _CONTROL}
         out += [index[m] for m in _END_OF_TURN if m in index and m in template]
     return out
+
+
+@lru_cache(maxsize=None)
+def _template_call_args(cls: type) -> frozenset[str]:
+    """apply_chat_template's named arguments in this transformers version (a newer one may
+    add some that ``RESERVED_TEMPLATE_KWARGS`` does not list yet)."""
+    try:
+        params = inspect.signature(cls.apply_chat_template).parameters
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "self")
 
 
 def _validate_messages(messages: Any) -> None:

@@ -2,6 +2,7 @@
 
 Routes:
   POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]   (OpenAI)
+  POST /v1/responses, GET / DELETE /v1/responses/{id}                        (OpenAI Responses)
   POST /generate, POST /generate_stream, GET /info                           (TGI)
   POST /v1/messages, POST /v1/messages/count_tokens                          (Anthropic)
   GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
@@ -66,6 +67,9 @@ from serving.openai_request import parse_chat_request, parse_completion_request
 from serving.openapi import openapi_schema
 from serving.reasoning import reasoning_parser as reasoning_parser_for
 from serving.request import GenRequest
+from serving.responses_request import MAX_ID_CHARS, parse_responses_request
+from serving.responses_response import responses_dialect
+from serving.responses_store import ResponseStore
 from serving.tgi_request import parse_tgi_request
 from serving.token_texts import TokenTexts
 from serving.metrics import CONTENT_TYPE, RequestTracker, ServingMetrics
@@ -126,16 +130,19 @@ class ServerState:
     tracing: Any = None          # serving.tracing.RequestTracing when traces are exported
     lora_dirs: tuple[str, ...] = ()   # real paths /v1/load_lora_adapter may read (lora.allowed_dirs)
     reasoning_parser: str | None = None   # --reasoning-parser: serving/reasoning.py's name
+    responses: ResponseStore = field(default_factory=ResponseStore)   # /v1/responses' stored answers
     internal_errors: int = 0
     load_error: str | None = None
     load_task: asyncio.Task | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     metrics: ServingMetrics = field(init=False)
+    responses_dialect: Dialect = field(init=False)
     _limits: Limits | None = field(default=None, init=False)
     _texts: TokenTexts | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServingMetrics(lambda: self.engine, self.metric_model_name)
+        self.responses_dialect = responses_dialect(self.responses)
 
     # -------------------------------------------------------------- engine access
 
@@ -544,6 +551,31 @@ async def chat_completions(request: Request, st: ServerState) -> Response:
     return await _gen_route(request, st, parse_chat_request)
 
 
+async def create_response(request: Request, st: ServerState) -> Response:
+    return await _gen_route(request, st, lambda b, lim, tok: parse_responses_request(b, lim, tok, st.responses),
+                            st.responses_dialect)
+
+
+def _no_response(rid: str) -> ProtocolError:
+    return ProtocolError(f"no stored response with id {short(rid, 60)}", param="response_id", status=404,
+                         code="response_not_found", err_type="invalid_request_error")
+
+
+async def get_response(request: Request, st: ServerState) -> Response:
+    rid = request.path_params["response_id"]
+    entry = st.responses.get(rid) if len(rid) <= MAX_ID_CHARS else None
+    if entry is None:
+        raise _no_response(rid)
+    return json_response(entry.response)
+
+
+async def delete_response(request: Request, st: ServerState) -> Response:
+    rid = request.path_params["response_id"]
+    if len(rid) > MAX_ID_CHARS or not st.responses.delete(rid):
+        raise _no_response(rid)
+    return json_response({"id": rid, "object": "response", "deleted": True})
+
+
 async def tgi_generate(request: Request, st: ServerState) -> Response:
     return await _gen_route(request, st, lambda b, lim, tok: parse_tgi_request(b, lim, tok, stream=False), TGI)
 
@@ -671,7 +703,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
               tracing: Any = None, allowed_hosts: Iterable[str] | None = None,
               allowed_origins: Iterable[str] | None = None,
               read_timeout_s: float = guard.DEFAULT_READ_TIMEOUT_S,
-              lora_dirs: Iterable[str] = (), reasoning_parser: str | None = None) -> Starlette:
+              lora_dirs: Iterable[str] = (), reasoning_parser: str | None = None,
+              response_store: ResponseStore | None = None) -> Starlette:
     """The ASGI app around ``engine`` (ready now) or ``engine_factory`` (loaded at startup).
 
     A factory is called once the server is listening, so /health can answer 503 while the
@@ -687,6 +720,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
     /v1/load_lora_adapter may load adapters from (none: loading by path is refused).
     ``reasoning_parser``: split chat replies' thinking off (a name in
     ``serving.reasoning.PARSER_NAMES``; None: replies are all content).
+    ``response_store``: where /v1/responses keeps its answers (default: a ``ResponseStore``
+    with its default bounds, serving/responses_store.py).
     """
     if (engine is None) == (engine_factory is None):
         raise ValueError("build_app: pass exactly one of engine, engine_factory")
@@ -697,7 +732,8 @@ def build_app(engine: EngineLike | None = None, *, engine_factory: EngineFactory
                      retry_after_s=retry_after_s, shutdown_engine=shutdown_engine,
                      engine_shutdown_timeout=engine_shutdown_timeout, on_ready=on_ready,
                      on_load_error=on_load_error, tracing=tracing, read_timeout_s=read_timeout_s,
-                     lora_dirs=allowed_dirs(lora_dirs), reasoning_parser=reasoning_parser)
+                     lora_dirs=allowed_dirs(lora_dirs), reasoning_parser=reasoning_parser,
+                     **({} if response_store is None else {"responses": response_store}))
     app = Starlette(routes=_routes(), lifespan=_lifespan(st),
                     middleware=_middleware(allowed_hosts, allowed_origins),
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
@@ -733,11 +769,14 @@ def _lifespan(st: ServerState) -> Callable[[Starlette], Any]:
 
 
 def _routes() -> list[Any]:
-    """The API's routes: OpenAI's, LoRA admin, TGI's, Anthropic's, health, metrics, the schema and
-    the chat page."""
+    """The API's routes: OpenAI's (completions, chat, Responses), LoRA admin, TGI's, Anthropic's,
+    health, metrics, the schema and the chat page."""
     return [
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/responses", endpoint(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", endpoint(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", endpoint(delete_response), methods=["DELETE"]),
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/load_lora_adapter", endpoint(load_lora_adapter), methods=["POST"]),

@@ -1,4 +1,5 @@
-"""Request fields for constrained decoding: OpenAI ``response_format`` and ``logit_bias``,
+"""Request fields for constrained decoding: OpenAI ``response_format`` (and the Responses
+API's ``text.format``) and ``logit_bias``,
 vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
 ``min_tokens`` and ``bad_words``, TGI's ``grammar``. Each becomes a ``SamplingParams``
 keyword (the grammar itself is compiled and checked by the engine, whose error messages,
@@ -60,22 +61,27 @@ def _vllm_guided(name: str, key: str, value: Any) -> dict:
 
 def _response_format(f: Fields) -> dict | None:
     fmt = f.obj("response_format")
-    if fmt is None:
-        return None
+    return None if fmt is None else format_constraint(fmt, "response_format")
+
+
+def format_constraint(fmt: dict, param: str, flat: bool = False) -> dict | None:
+    """An output format -> ``SamplingParams.guided`` (None for plain text). Chat's
+    ``response_format`` nests the schema under ``json_schema``; the Responses API's
+    ``text.format`` (``flat``) holds ``name``, ``schema`` and ``strict`` itself."""
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        js = fmt.get("json_schema")
+        js, where = (fmt, param) if flat else (fmt.get("json_schema"), f"{param}.json_schema")
         if not isinstance(js, dict):
-            raise bad("response_format.json_schema", f"must be an object, got {type_name(js)}")
+            raise bad(where, f"must be an object, got {type_name(js)}")
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
-            raise bad("response_format.json_schema.schema", f"must be an object, got {type_name(schema)}")
+            raise bad(f"{where}.schema", f"must be an object, got {type_name(schema)}")
         return {"json": schema or {"type": "object"}}
-    raise bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}")
+    raise bad(f"{param}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}")
 
 
 def logit_bias(f: Fields, key: str, limits: Limits) -> dict[int, float]:

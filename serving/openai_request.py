@@ -133,18 +133,14 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     max_param = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_param = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"]), "max_tokens"
-    messages = _chat_messages(body.get("messages"))
+    messages = openai_messages(body.get("messages"))
     add_gen = f.bool("add_generation_prompt", True)
     template_kwargs = f.template_kwargs("chat_template_kwargs")
     reasoning = reasoning_parser(limits.reasoning_parser, template_kwargs)
     if not f.bool("include_reasoning", True) and reasoning is not None:
         reasoning = dataclasses.replace(reasoning, hidden=True)
         want = False   # as vLLM: no logprobs either, they would show the hidden reasoning's tokens
-    if tool_spec is not None and tool_spec.constrained:
-        if "guided" in sampling:
-            raise bad("tool_choice", "a required or named tool choice cannot be combined with "
-                      "response_format or guided decoding")
-        sampling["guided"] = T.call_grammar(tool_spec)
+    tool_constraint(sampling, tool_spec, "response_format or guided decoding")
     ids = chat_prompt_ids(messages, tool_spec, tokenizer, add_gen, template_kwargs=template_kwargs)
     sampling["max_tokens"] = resolve_max_tokens(max_tokens, None, len(ids), limits, max_param, "messages")
     k = (top or 0) if want else None
@@ -153,7 +149,18 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
                       top_logprobs=k, tools=tool_spec, reasoning=reasoning)
 
 
-def _chat_messages(msgs: Any) -> list[dict]:
+def tool_constraint(sampling: dict[str, Any], spec: T.ToolSpec | None, other: str) -> None:
+    """A required or named tool choice constrains the output to one call (``sampling["guided"]``);
+    ``other``: what else may have set a constraint, for the error."""
+    if spec is not None and spec.constrained:
+        if "guided" in sampling:
+            raise bad("tool_choice", f"a required or named tool choice cannot be combined with {other}")
+        sampling["guided"] = T.call_grammar(spec)
+
+
+def openai_messages(msgs: Any) -> list[dict]:
+    """Chat ``messages`` -> the chat template's ``{"role", "content"}`` messages (the
+    Responses API's input items come here too, as chat messages)."""
     if msgs is None:
         raise bad("messages", "is required")
     if not isinstance(msgs, list):

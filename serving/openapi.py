@@ -92,6 +92,17 @@ def openapi_schema() -> dict:
             seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
             return_full_text=_BOOL, top_n_tokens=_B["logprobs"], watermark=_BOOL, decoder_input_details=_BOOL,
             num_beams=_B["beam_width"], length_penalty=_B["length_penalty"], early_stopping=_EARLY)}}}
+    item = {"type": "object", "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output"]},
+        "role": {"enum": ["user", "system", "developer", "assistant"]}, "content": {}, "call_id": _STR,
+        "name": _STR, "arguments": _STR, "output": {}}}
+    responses = {"type": "object", "required": ["input"], "properties": {
+        "model": _STR, "input": {"oneOf": [_STR, {"type": "array", "items": item, "minItems": 1}]},
+        "instructions": _STR, "previous_response_id": _STR, "temperature": _B["temperature"],
+        "top_p": _B["top_p"], "max_output_tokens": _B["max_tokens"], "stream": _BOOL, "store": _BOOL,
+        "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
+        "parallel_tool_calls": _BOOL, "text": {"type": "object"}, "metadata": {"type": "object"},
+        "user": _STR, "truncation": {"const": "disabled"}, "include": {"type": "array", "items": _STR}}}
     get = {"get": {"responses": {"200": ok_json}}}
     return {
         "openapi": "3.1.0",
@@ -100,6 +111,8 @@ def openapi_schema() -> dict:
         "paths": {
             "/v1/completions": post("OpenAI text completion", completion),
             "/v1/chat/completions": post("OpenAI chat completion", chat),
+            "/v1/responses": post("OpenAI Responses API", responses),
+            "/v1/responses/{response_id}": {**get, "delete": {"responses": {"200": ok_json, "404": err}}},
             "/v1/models": get, "/v1/models/{model}": get,
             "/generate": post("TGI generate", tgi, stream=False),
             "/generate_stream": post("TGI generate, streamed", tgi),

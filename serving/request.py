@@ -19,7 +19,7 @@ from serving.fields import Fields, Limits, short
 class GenRequest:
     """One validated generation request, ready for ``engine.generate``."""
 
-    kind: str                      # "completion" | "chat" | "tgi"
+    kind: str                      # "completion" | "chat" | "tgi" | "messages" | "responses"
     model: str
     prompt_ids: list[int]
     prompt_text: str               # for echo / return_full_text
@@ -34,6 +34,7 @@ class GenRequest:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
     reasoning: Any = None          # serving.reasoning.ReasoningParser: split the thinking off the reply
+    api: Any = None                # what one API's answer needs besides these (Responses: a ResponsesCall)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -1,4 +1,5 @@
-"""OpenAI tool calling on the chat route: ``tools`` / ``tool_choice`` in, ``tool_calls`` out.
+"""OpenAI tool calling on the chat route: ``tools`` / ``tool_choice`` in, ``tool_calls`` out
+(the Anthropic and Responses parsers build the same ToolSpec from their own shapes).
 
 Format: the Hermes / Qwen one, which SmolLM2's instruct data and Qwen2.5 / Qwen3 use: the
 model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (several blocks
@@ -26,7 +27,7 @@ from serving.fields import type_name
 
 MAX_TOOLS = 64
 MAX_TOOLS_CHARS = 64 * 1024        # the tools' JSON, all together
-_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -84,7 +85,7 @@ def function_dict(fn: dict, prefix: str, schema_key: str) -> dict:
     """One tool's name, description and parameter schema (read from ``schema_key``:
     OpenAI's ``parameters``, Anthropic's ``input_schema``) -> the function dict a ToolSpec
     holds; errors name ``prefix`` + the field."""
-    if not isinstance(fn.get("name"), str) or not _NAME.match(fn["name"]):
+    if not isinstance(fn.get("name"), str) or not FUNCTION_NAME.match(fn["name"]):
         raise bad(f"{prefix}name", "must be 1-64 letters, digits, '_', '-' or '.'")
     params = fn.get(schema_key, {"type": "object", "properties": {}})
     if not isinstance(params, dict):

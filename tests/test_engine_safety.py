@@ -39,6 +39,7 @@ BASE = {CMPL: {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3},
         CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
         TGI: {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}}
 BASE["/generate_stream"] = BASE[TGI]
+BASE["/v1/responses"] = {"model": MODEL_NAME, "input": "Hello", "max_output_tokens": 3}
 # The LoRA routes take no number; their fields get the extremes all the same (the parser must
 # refuse a number where a name or path belongs: 400, not a crash).
 LORA = {"/v1/load_lora_adapter": ("lora_name", "lora_path"), "/v1/unload_lora_adapter": ("lora_name",)}
@@ -166,7 +167,7 @@ def request_with(path: str, field: tuple, literal: str) -> bytes:
 def sweep_cases() -> list[tuple[str, tuple, str]]:
     paths = openapi_schema()["paths"]
     cases = []
-    for path in (CMPL, CHAT, TGI, "/generate_stream"):
+    for path in (CMPL, CHAT, TGI, "/generate_stream", "/v1/responses"):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         for field in numeric_fields(schema):
             cases += [(path, field, name) for name in EXTREMES]
@@ -187,6 +188,8 @@ def test_the_sweep_covers_every_numeric_field():
     for name in ("max_new_tokens", "top_k", "top_p", "temperature", "seed", "top_n_tokens",
                  "repetition_penalty", "num_beams", "length_penalty"):
         assert (TGI, ("parameters", name)) in fields, name
+    for name in ("temperature", "top_p", "max_output_tokens"):
+        assert ("/v1/responses", (name,)) in fields, name
 
 
 def test_field_extremes_never_500_never_kill_the_engine(server):

@@ -28,6 +28,7 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from serving import anthropic_request as AR  # noqa: E402
 from serving.anthropic_response import AnthropicStream  # noqa: E402
 from serving.app import build_app  # noqa: E402
+from serving.openai_request import parse_chat_request  # noqa: E402
 from serving.dialect import Answering  # noqa: E402
 from serving.request import GenRequest  # noqa: E402
 from serving.tools import ToolSpec  # noqa: E402
@@ -72,6 +73,16 @@ def _create(server, **kw):
 
 def _chat(server, messages, **kw):
     return server.oai.chat.completions.create(model=server.model, messages=messages, temperature=0, **kw)
+
+
+def _same_prompt(server, anthropic_body: dict, openai_body: dict) -> None:
+    """Both parsers build the same prompt token ids (token counts alone can agree by chance:
+    "user" and "tool" are one token each)."""
+    st = server.app.state.jx
+    lim, tok = st.limits(st.engine), st.engine.tokenizer
+    a = AR.parse_messages_request({"model": server.model, "max_tokens": 4, **anthropic_body}, lim, tok)
+    o = parse_chat_request({"model": server.model, "max_tokens": 4, **openai_body}, lim, tok)
+    assert a.prompt_ids == o.prompt_ids
 
 
 def _text(msg) -> str:
@@ -122,6 +133,7 @@ def test_plain_message_equals_chat_completions(server):
     oai_convo = [{"role": "system", "content": SYSTEM}, *convo[:2],
                  {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story."}]}]
     c = _chat(server, oai_convo, max_tokens=12)
+    _same_prompt(server, {"system": [{"type": "text", "text": SYSTEM}], "messages": convo}, {"messages": oai_convo})
     assert _text(m) == c.choices[0].message.content
     assert m.usage.input_tokens == c.usage.prompt_tokens and m.usage.output_tokens == c.usage.completion_tokens
     assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[c.choices[0].finish_reason]
@@ -208,6 +220,7 @@ def test_two_turn_tool_use_loop(server):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(use[0].input)}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"}]
     c2 = _chat(server, oai, max_tokens=12, tools=[_oai_tool(WEATHER)])
+    _same_prompt(server, {"messages": convo, "tools": [WEATHER]}, {"messages": oai, "tools": [_oai_tool(WEATHER)]})
     assert m2.usage.input_tokens == c2.usage.prompt_tokens > m.usage.input_tokens
     if c2.choices[0].message.tool_calls:
         assert m2.stop_reason == "tool_use"

@@ -19,6 +19,7 @@ from jaxinfer.sampling_params import SamplingParams
 from serving import tools as T
 from serving.errors import bad
 from serving.fields import Fields, Limits, short, type_name
+from serving.reasoning import reasoning_parser
 from serving.request import (GenRequest, chat_prompt_ids, check_model, resolve_max_tokens,
                              sampling_params)
 
@@ -28,9 +29,11 @@ MAX_TEXT_CHARS = 1 << 20       # one text block or string content
 MAX_ID_CHARS = 256             # tool_use ids, metadata.user_id
 ROLES = ("user", "assistant")
 _UNSUPPORTED = {"image": "image input", "document": "document input", "search_result": "search results",
-                "thinking": "thinking blocks", "redacted_thinking": "thinking blocks",
                 "server_tool_use": "server tools", "web_search_tool_result": "server tools"}
 _CHOICES = {"auto": "auto", "any": "required", "tool": "named"}
+# An earlier turn's thinking, sent back as clients do: dropped, as Anthropic drops it from
+# the context (and Qwen3's template strips it from history).
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
 
 
 def parse_messages_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest:
@@ -39,9 +42,9 @@ def parse_messages_request(body: dict, limits: Limits, tokenizer: Any) -> GenReq
     max_tokens = f.int("max_tokens", None, bound=SamplingParams.BOUNDS["max_tokens"])
     if max_tokens is None:
         raise bad("max_tokens", "is required")
-    ids, spec = _prompt(body, tokenizer)
+    template_kwargs = _thinking(f)
+    ids, spec = _prompt(body, tokenizer, template_kwargs)
     _metadata(f)
-    f.obj("thinking")     # accepted, not acted on: no reasoning parser yet (docs/anthropic-api.md)
     sampling: dict[str, Any] = dict(
         temperature=f.num("temperature", 1.0), top_p=f.num("top_p", 1.0),
         top_k=f.top_k("top_k", 0, limits, lo=0), stop=_stop_sequences(f))
@@ -51,13 +54,26 @@ def parse_messages_request(body: dict, limits: Limits, tokenizer: Any) -> GenReq
     # rather than the request failing, as llama.cpp and vLLM treat Claude Code's large ones.
     sampling["max_tokens"] = resolve_max_tokens(None, max_tokens, len(ids), limits, "max_tokens", "messages")
     params = sampling_params({"stop": "stop_sequences"}, **sampling)
-    return GenRequest("messages", model, ids, "", params, stream=f.bool("stream", False), tools=spec)
+    return GenRequest("messages", model, ids, "", params, stream=f.bool("stream", False), tools=spec,
+                      reasoning=reasoning_parser(limits.reasoning_parser, template_kwargs))
+
+
+def _thinking(f: Fields) -> dict[str, Any]:
+    """``thinking: {"type": "disabled"}`` -> the chat template's and the reasoning parser's
+    ``enable_thinking: false`` (Qwen3's switch); enabled or absent: the model's default."""
+    t = f.obj("thinking")
+    if t is None:
+        return {}
+    kind = t.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {short(kind)}")
+    return {"enable_thinking": False} if kind == "disabled" else {}
 
 
 def count_tokens(body: dict, limits: Limits, tokenizer: Any) -> dict:
     """``/v1/messages/count_tokens``: the prompt's length for the same body (no max_tokens)."""
     _model(Fields(body), limits)
-    ids, _ = _prompt(body, tokenizer)
+    ids, _ = _prompt(body, tokenizer, _thinking(Fields(body)))
     return {"input_tokens": len(ids)}
 
 
@@ -67,10 +83,11 @@ def _model(f: Fields, limits: Limits) -> str:
     return check_model(f, limits)
 
 
-def _prompt(body: dict, tokenizer: Any) -> tuple[list[int], T.ToolSpec | None]:
+def _prompt(body: dict, tokenizer: Any, template_kwargs: dict[str, Any] | None = None
+            ) -> tuple[list[int], T.ToolSpec | None]:
     spec = parse_tools(body)
     messages = _system(body.get("system")) + chat_messages(body.get("messages"))
-    return chat_prompt_ids(messages, spec, tokenizer), spec
+    return chat_prompt_ids(messages, spec, tokenizer, template_kwargs=template_kwargs), spec
 
 
 def _stop_sequences(f: Fields) -> tuple[str, ...]:
@@ -178,6 +195,8 @@ def _blocks(blocks: list, name: str) -> list[tuple[str, dict]]:
         if not isinstance(b, dict):
             raise bad(bname, f"must be a content block object, got {type_name(b)}")
         kind = b.get("type")
+        if kind in _THINKING_BLOCKS:
+            continue
         if kind in _UNSUPPORTED:
             raise bad(f"{bname}.type", f"{_UNSUPPORTED[kind]} ({kind!r}) is not supported yet", code="unsupported")
         if kind not in ("text", "tool_use", "tool_result"):

@@ -3,8 +3,10 @@ as the ``ANTHROPIC`` Dialect (serving/dialect.py).
 
 The reply's text goes through one place on its way into content blocks: ``reply_blocks``
 for a whole reply, ``AnthropicStream._text_of`` for a streamed one. A reply with
-``<tool_call>`` blocks (serving/tools.py) becomes ``tool_use`` blocks. A reasoning parser
-that splits ``thinking`` blocks off the text belongs in those two functions.
+``<tool_call>`` blocks (serving/tools.py) becomes ``tool_use`` blocks. With
+``--reasoning-parser`` (serving/reasoning.py) the thinking is split off first, into a
+``thinking`` block (streamed as ``thinking_delta`` events, closed by a ``signature_delta``)
+before them.
 
 The stream follows Anthropic's documented order: ``message_start``, ``ping``, then per
 content block ``content_block_start``, its ``content_block_delta`` events (``text_delta``
@@ -59,12 +61,23 @@ def _tool_use(call: dict) -> dict:
 
 
 def reply_blocks(req: GenRequest, text: str) -> list[dict]:
-    """A whole reply's text -> its content blocks (text, then any tool_use)."""
+    """A whole reply's text -> its content blocks (thinking, text, then any tool_use)."""
+    thinking: list[dict] = []
+    if req.reasoning is not None:
+        thought, text = req.reasoning.split(text)
+        if thought is not None:
+            thinking = [{"type": "thinking", "thinking": thought, "signature": _signature(req)}]
     if req.tools is not None:
         content, calls = T.parse_tool_calls(text, req.tools)
         if calls:
-            return ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
-    return [{"type": "text", "text": text}]
+            return thinking + ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
+    return thinking + ([{"type": "text", "text": text}] if text or not thinking else [])
+
+
+def _signature(req: GenRequest) -> str:
+    """A thinking block's ``signature``: Anthropic's proves the block came from its API; ours
+    is only a stable id (as vLLM sends one), checked by nobody."""
+    return "sig_" + req.request_id
 
 
 def _usage(req: GenRequest, output_tokens: int) -> dict:
@@ -95,19 +108,49 @@ class AnthropicStream:
         self.held = ""               # text held back while it may be a tool call
         self.index = 0               # the next content block's index
         self.open = False            # a text block is open
+        self.thinking = req.reasoning.stream() if req.reasoning is not None else None
+        self.thinking_open = False   # a thinking block is open
         self.started = self.finished = self.tool_use = False
 
     def events(self, out: RequestOutput) -> Iterable[bytes]:
         ev = self._begin()
         for d in self.tracker.deltas(out):
-            ev += self._text(self._text_of(d.text))
+            ev += self._delta(d.text, d.finish_reason is not None)
             if d.finish_reason is not None:
                 ev += self._finish()
         return ev
 
+    def _delta(self, text: str, last: bool) -> list[bytes]:
+        """New reply text -> its events: thinking first (the parser's split), then text."""
+        ev = []
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if last:
+                more_thought, more = self.thinking.finish()
+                thought, text = thought + more_thought, text + more
+            ev += self._thought(thought)
+            if text or last:     # the thinking is over
+                ev += self._close_thinking()
+        return ev + self._text(self._text_of(text))
+
+    def _thought(self, thought: str) -> list[bytes]:
+        if not thought:
+            return []
+        ev = [] if self.thinking_open else [self._start({"type": "thinking", "thinking": ""})]
+        self.thinking_open = True
+        return ev + [_event("content_block_delta", index=self.index,
+                            delta={"type": "thinking_delta", "thinking": thought})]
+
+    def _close_thinking(self) -> list[bytes]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [_event("content_block_delta", index=self.index,
+                       delta={"type": "signature_delta", "signature": _signature(self.req)}), self._stop()]
+
     def end(self, last: RequestOutput) -> Iterable[bytes]:
         o = last.outputs[0]
-        ev = self._begin() + ([] if self.finished else self._finish())
+        ev = self._begin() + ([] if self.finished else self._delta("", True) + self._finish())
         reason, seq = stop_reason(o, self.tool_use)
         return ev + [_event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
                             usage={"output_tokens": len(o.token_ids)}),

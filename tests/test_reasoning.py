@@ -262,3 +262,109 @@ def test_bad_chat_template_kwargs_are_a_400_naming_the_field(servers, kwargs, pa
                           json={**_body(THINKING), "chat_template_kwargs": kwargs})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------ Anthropic Messages
+
+def _anthropic(url: str):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="x")
+
+
+def _messages_body(**kw) -> dict:
+    return dict(model="tiny-random-llama", max_tokens=24, messages=[{"role": "user", "content": "Think, then answer."}],
+                extra_body={"temperature": 0}, **kw)
+
+
+def test_anthropic_thinking_block_is_the_reply_streamed_and_not(servers):
+    """The Messages route has no guided fields, so the tiny model writes no tags: deepseek_r1
+    reads a reply without ``</think>`` as all thinking (its template opened the block)."""
+    import re
+
+    plain = _anthropic(servers.plain).messages.create(**_messages_body())
+    assert [b.type for b in plain.content] == ["text"] and "think>" not in plain.content[0].text
+    client = _anthropic(servers.deepseek_r1)
+    msg = client.messages.create(**_messages_body())
+    assert [(b.type, b.thinking) for b in msg.content] == [("thinking", plain.content[0].text)]
+    with client.messages.stream(**_messages_body()) as s:
+        deltas = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    unsigned = lambda m: [b.model_dump(exclude={"signature"}) for b in m.content]    # noqa: E731
+    assert unsigned(final) == unsigned(msg) and final.content[0].signature
+    assert re.fullmatch(r"(thinking_delta )+signature_delta ", "".join(d + " " for d in deltas)), deltas
+
+
+def test_anthropic_thinking_disabled_and_thinking_history(servers):
+    client = _anthropic(servers.qwen3)
+    on = client.messages.create(**_messages_body())
+    off = client.messages.create(**_messages_body(thinking={"type": "disabled"}))
+    assert off.usage.input_tokens > on.usage.input_tokens       # the template closed a think block
+    assert [b.type for b in on.content] == ["thinking"] and [b.type for b in off.content] == ["text"]
+    # the reply sent back, thinking block and all, is a valid next turn (the thinking dropped)
+    history = [{"role": "user", "content": "Think, then answer."},
+               {"role": "assistant", "content": [b.model_dump() for b in on.content] + [{"type": "text", "text": "ok"}]},
+               {"role": "user", "content": "Again."}]
+    again = client.messages.create(**{**_messages_body(), "messages": history})
+    history[1]["content"] = [{"type": "text", "text": "ok"}]
+    assert again.usage.input_tokens == client.messages.create(**{**_messages_body(), "messages": history}).usage.input_tokens
+
+
+def _blocks_from_events(chunks: list[bytes]) -> tuple[list[dict], str]:
+    """Anthropic's stream read back as its docs define it: blocks from their start and deltas;
+    and the delta types in order."""
+    blocks, kinds = [], []
+    for c in chunks:
+        head, data = c.decode().strip().split("\n")
+        ev = json.loads(data.removeprefix("data: "))
+        if ev["type"] == "content_block_start":
+            assert ev["index"] == len(blocks)
+            blocks.append(dict(ev["content_block"], **({"partial": ""} if ev["content_block"]["type"] == "tool_use" else {})))
+        elif ev["type"] == "content_block_delta":
+            b, d = blocks[ev["index"]], ev["delta"]
+            kinds.append(d["type"])
+            key = {"thinking_delta": "thinking", "text_delta": "text", "signature_delta": "signature",
+                   "input_json_delta": "partial"}[d["type"]]
+            b[key] = b.get(key, "") + d[{"input_json_delta": "partial_json"}.get(d["type"], key)]
+    for b in blocks:
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(b.pop("partial"))
+            b.pop("id")
+    return blocks, " ".join(kinds)
+
+
+def test_anthropic_stream_of_any_cut_is_the_whole_reply():
+    """Thinking, then text or a tool call, cut at random: the streamed blocks are the
+    message's, thinking deltas first (unit: the Dialect's builders over outputs)."""
+    import re
+
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
+    from jaxinfer.sampling_params import SamplingParams
+    from serving.anthropic_response import AnthropicStream, message_response
+    from serving.dialect import Answering
+    from serving.request import GenRequest
+    from serving.tools import ToolSpec
+
+    spec = ToolSpec(({"name": "get_weather", "description": "", "parameters": {}},), "auto")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    texts = ["<think>hm, rain?</think>Take a coat.", "<think>hm</think>" + call, "still thinking </thi",
+             "no end tag at all", "<think>a</think>", "</think>only an answer"]
+    rng = random.Random(7)
+    for seed in range(200):
+        text, name = texts[seed % len(texts)], ("deepseek_r1", "qwen3")[seed % 2]
+        req = GenRequest("messages", "m", [1, 2], "", SamplingParams(), stream=True, tools=spec,
+                         reasoning=reasoning_parser(name))
+        out = lambda n, fin: RequestOutput("r", None, [1, 2], [CompletionOutput(0, text[:n], list(range(n)), fin, None)],
+                                           finished=fin is not None)
+        s, chunks, n = AnthropicStream(req, Answering(None, frozenset())), [], 0
+        while n < len(text):
+            n = min(len(text), n + rng.randint(1, 6))
+            chunks += s.events(out(n, "stop" if n == len(text) and rng.random() < 0.5 else None))
+        chunks += s.end(out(len(text), "stop"))
+        want = message_response(req, out(len(text), "stop"), None)["content"]
+        for b in want:
+            b.pop("id", None)
+        blocks, kinds = _blocks_from_events([c for c in chunks if b"content_block_" in c])
+        assert blocks == want, (seed, text, blocks, want)
+        assert re.fullmatch(r"((thinking_delta )*thinking_delta signature_delta ?)?.*", kinds), kinds
+        assert "thinking_delta" not in kinds.split("signature_delta")[-1], kinds

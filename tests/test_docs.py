@@ -92,6 +92,29 @@ def test_every_function_the_docs_name_exists():
     assert not missing, "docs name functions that do not exist:\n" + "\n".join(missing)
 
 
+TEST_REF = re.compile(r"`(tests/[\w./-]+\.py)?::(test_\w+)`")
+
+
+def named_tests(text: str) -> list[tuple[str, str]]:
+    """Each `tests/file.py::test_name` in ``text``, and each `::test_name` after one (the
+    same file), as (file, test)."""
+    out, last = [], None
+    for path, name in TEST_REF.findall(text):
+        last = path or last
+        out.append((last or "?", name))
+    return out
+
+
+def test_every_test_the_docs_name_exists():
+    """The fault table in docs/serving-safely.md (and any page) names the tests that hold
+    each row: a renamed or deleted test must not leave the table vouching for nothing."""
+    assert named_tests("`tests/a.py::test_x`, `::test_y`") == [("tests/a.py", "test_x"), ("tests/a.py", "test_y")]
+    refs = [(page, path, name) for page in doc_pages() for path, name in named_tests(page.read_text(encoding="utf-8"))]
+    assert any(page.name == "serving-safely.md" for page, _, _ in refs)
+    missing = [f"{page.relative_to(ROOT)}: {path}::{name}" for page, path, name in refs if not defines(path, name)]
+    assert not missing, "docs name tests that do not exist:\n" + "\n".join(missing)
+
+
 # ---------------------------------------------------------------------- the module map
 
 def module_map() -> list[str]:

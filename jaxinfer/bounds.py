@@ -58,3 +58,7 @@ class Bound:
 
 def _num_text(x: float | None) -> str:
     return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+# A request's scheduling priority (lower runs first): vLLM's int64 range.
+PRIORITY = Bound(True, -(2**63), 2**63 - 1, note="lower runs first; non-zero only under the priority policy")

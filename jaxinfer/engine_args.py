@@ -44,6 +44,13 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size, e.g. 536870912, 512M or 2G (default: what max-num-seqs "
                         "sequences of max-model-len tokens need, up to 1 GiB on CPU)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting sequences before 503")
+    p.add_argument("--max-queue-delay-ms", type=int, default=None, metavar="MS",
+                   help="refuse a request (503 + Retry-After) when its predicted wait for its first "
+                        "token exceeds MS: the prompt tokens queued ahead of it over the measured "
+                        "prefill rate (default: off)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: arrival order (a non-zero request priority is refused); priority: "
+                        "lower `priority` values first, preempting lower-priority running requests")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier requests' identical prefixes (on by default)")
     p.add_argument("--host-kv-cache-memory", type=int, default=None, metavar="BYTES",
@@ -227,6 +234,7 @@ def engine_config(args: argparse.Namespace, default_max_seqs: int, default_warmu
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
+        max_queue_delay_ms=args.max_queue_delay_ms, scheduling_policy=args.scheduling_policy,
         host_kv_cache_memory=args.host_kv_cache_memory,
         num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling, warmup=getattr(args, "warmup", None) or default_warmup,
         compilation_cache_dir=args.compilation_cache or None, weight_cache_dir=args.weight_cache or None,

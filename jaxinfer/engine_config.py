@@ -41,6 +41,14 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None         # prompt + output; default min(model's, 4096)
     max_waiting: int | None = 4096           # waiting sequences before QueueFullError
+    # vLLM's --scheduling-policy (engine/scheduler.py): "fcfs" serves requests in arrival
+    # order and refuses a non-zero priority; "priority" serves lower priority values first
+    # and preempts lower-priority running requests for a waiting one that lacks a seat or pages.
+    scheduling_policy: str = "fcfs"
+    # Admission control (engine/admission.py): a request whose predicted wait for its first
+    # token (the prompt tokens queued ahead of it over the measured prefill rate) exceeds
+    # this many ms is refused at once (QueueFullError: 503 + Retry-After). None: off.
+    max_queue_delay_ms: int | None = None
     # Prefix caching (engine/block_manager.py): full computed KV pages are kept, found by
     # chain hash and shared by later requests with the same prefix; evicted LRU.
     enable_prefix_caching: bool = True
@@ -214,7 +222,9 @@ class EngineConfig:
         require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
                 "long_prefill_token_threshold", f"must be a non-negative integer (0 = no cap) or None "
                 f"(auto), got {v!r}")
-        for name in ("kv_cache_memory", "num_pages", "max_model_len", "max_waiting"):
+        require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+                f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        for name in ("kv_cache_memory", "num_pages", "max_model_len", "max_waiting", "max_queue_delay_ms"):
             v = getattr(self, name)
             require(v is None or (isinstance(v, int) and v >= 1), name,
                     f"must be a positive integer or None, got {v!r}")

@@ -2,7 +2,15 @@
 
 
 class QueueFullError(RuntimeError):
-    """The engine's waiting queue is full: retry later (the server answers 503 + Retry-After)."""
+    """The engine cannot take the request now: retry later (the server answers 503 +
+    Retry-After). ``reason``: "queue_full" (the waiting queue holds ``max_waiting``
+    sequences) or "queue_delay" (its predicted wait exceeds ``max_queue_delay_ms``,
+    engine/admission.py); ``retry_after_s``: when a retry may succeed, if known."""
+
+    def __init__(self, message: str = "", reason: str = "queue_full", retry_after_s: int | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class EngineDeadError(RuntimeError):

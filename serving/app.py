@@ -3,6 +3,7 @@
 Routes:
   POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]   (OpenAI)
   POST /v1/responses, GET / DELETE /v1/responses/{id}                        (OpenAI Responses)
+  POST /tokenize, POST /detokenize                                           (vLLM's)
   POST /generate, POST /generate_stream, GET /info                           (TGI)
   POST /v1/messages, POST /v1/messages/count_tokens                          (Anthropic)
   GET /health (200 only when the engine is warm and alive), GET /metrics     (Prometheus)
@@ -23,7 +24,7 @@ comes in TGI's ``{"error", "error_type"}`` shape, on Anthropic routes in Anthrop
 ``Host`` outside the allow-list, 401 missing/wrong API key (``Authorization: Bearer`` or
 ``x-api-key``), 404 an unknown model on Anthropic routes, 404/405 unknown route or method, 408 body not received within the
 read timeout, 413 body too large, 415 POST body not ``application/json``, 503 queue full /
-engine not ready or dead (with Retry-After). serving/guard.py says why the Host, content
+engine not ready or dead, or admission control's refusal (with Retry-After). serving/guard.py says why the Host, content
 type and read-timeout checks exist. A 500 means a bug in this server: it is logged and counted in
 ``state.internal_errors``, which the tests assert stays at zero for hostile input.
 """
@@ -59,6 +60,7 @@ from serving import guard
 from serving import lora_routes
 from serving import anthropic_request
 from serving.anthropic_response import ANTHROPIC
+from serving import tokenize_routes
 from serving.dialect import OPENAI, TGI, Answering, Dialect, sse
 from serving.errors import ProtocolError
 from serving.fields import MAX_STOP, Limits, short
@@ -421,7 +423,8 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
     tracker = st.metrics.tracker(_trace_hook(st, request, req, received))
     # a name that is not the base model's is a LoRA adapter's (the parser checked it is served)
     lora = {} if req.model in st.model_names() else {"lora": req.model}
-    gen = engine.generate(req.prompt_ids, req.params, req.request_id, **lora)
+    extra = {**lora, **({"priority": req.priority} if req.priority else {})}
+    gen = engine.generate(req.prompt_ids, req.params, req.request_id, **extra)
     try:
         first = await race_disconnect(request, _first_output(gen))
     except BaseException as e:
@@ -429,7 +432,7 @@ async def run_generation(request: Request, st: ServerState, engine: EngineLike,
         if isinstance(e, ClientGone):       # gone before the first output: still an abort
             tracker.finish(None, aborted=True)
         if isinstance(e, QueueFullError):
-            st.metrics.rejected.labels(st.metric_model_name(), "queue_full").inc()
+            st.metrics.rejected.labels(st.metric_model_name(), e.reason).inc()
         raise
     answering = Answering(st.texts(engine), frozenset(engine.tokenizer.eos_token_ids))
     if req.stream:
@@ -514,7 +517,8 @@ def endpoint(handler: Handler, *, dialect: Dialect = OPENAI, auth: bool = True) 
         except QueueFullError as e:
             return error_response(ProtocolError(
                 f"the server is at capacity ({e or 'waiting queue full'}); retry later", status=503,
-                code="queue_full", headers={"Retry-After": str(st.retry_after_s)}), dialect)
+                code="overloaded" if e.reason == "queue_delay" else "queue_full",
+                headers={"Retry-After": str(e.retry_after_s or st.retry_after_s)}), dialect)
         except EngineDeadError:
             return error_response(ProtocolError(
                 "the engine has stopped; this server cannot serve requests", status=503,
@@ -609,6 +613,22 @@ async def load_lora_adapter(request: Request, st: ServerState) -> Response:
 
 async def unload_lora_adapter(request: Request, st: ServerState) -> Response:
     return await _lora_route(request, st, lora_routes.unload_lora_adapter)
+
+
+async def tokenize(request: Request, st: ServerState) -> Response:
+    return await _tokenizer_route(request, st, tokenize_routes.tokenize)
+
+
+async def detokenize(request: Request, st: ServerState) -> Response:
+    return await _tokenizer_route(request, st, tokenize_routes.detokenize)
+
+
+async def _tokenizer_route(request: Request, st: ServerState, handler: Callable[..., dict]) -> Response:
+    """/tokenize, /detokenize (serving/tokenize_routes.py): no engine step, only its tokenizer."""
+    engine = st.ready_engine()
+    guard.require_json(request.headers.get("content-type"))
+    body = parse_json_body(await read_body(request, st.max_body_bytes, st.read_timeout_s))
+    return json_response(await asyncio.to_thread(handler, body, st.limits(engine), engine.tokenizer))
 
 
 async def _lora_route(request: Request, st: ServerState, handler: Callable[..., Awaitable[Response]]) -> Response:
@@ -781,6 +801,8 @@ def _routes() -> list[Any]:
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/load_lora_adapter", endpoint(load_lora_adapter), methods=["POST"]),
         Route("/v1/unload_lora_adapter", endpoint(unload_lora_adapter), methods=["POST"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/generate", endpoint(tgi_generate, dialect=TGI), methods=["POST"]),
         Route("/generate_stream", endpoint(tgi_generate_stream, dialect=TGI), methods=["POST"]),
         Route("/info", endpoint(tgi_info, dialect=TGI), methods=["GET"]),

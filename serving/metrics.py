@@ -64,6 +64,12 @@ _ENGINE_METRICS = (
     ("device_ms_per_step", "step_device_ms", "The device's share of a step's wall time, ms.", "gauge"),
     ("overlapped_fraction", "step_overlapped_fraction", "Fraction of the host's step work the device "
      "overlapped (0..1).", "gauge"),
+    ("prefill_tokens_per_s", "prefill_tokens_per_second", "Prompt tokens computed per second while "
+     "requests queue (admission control's EWMA over steps).", "gauge"),
+    ("queued_prompt_tokens", "queued_prompt_tokens", "Prompt tokens of requests waiting for their first "
+     "token.", "gauge"),
+    ("predicted_queue_delay_s", "predicted_queue_delay_seconds", "Predicted wait for a first token of a "
+     "request arriving now behind every queued one (queued prompt tokens over the prefill rate).", "gauge"),
     ("buckets_compiled", "compiled_buckets", "Step shapes compiled so far (the rest compile in the "
      "background after start-up).", "gauge"),
     ("buckets_total", "buckets", "Step shapes the engine compiles in all.", "gauge"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxinfer.bounds import PRIORITY
 from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
 from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, check_token_ids,
@@ -81,7 +82,7 @@ def parse_completion_request(body: dict, limits: Limits, tokenizer: Any) -> GenR
         max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids), limits, "max_tokens", "prompt")
     params = sampling_params({"beam_width": "best_of"}, logprobs=logprobs, **sampling)
     return GenRequest("completion", model, prompt_ids, prompt_text, params, **flags, echo=echo, top_logprobs=logprobs,
-                      prompt_logprobs=f.get("prompt_logprobs") is not None)
+                      prompt_logprobs=f.get("prompt_logprobs") is not None, priority=f.int("priority", 0, bound=PRIORITY))
 
 
 def _completion_prompt(body: dict, limits: Limits, tokenizer: Any) -> tuple[list[int], str]:
@@ -146,7 +147,8 @@ def parse_chat_request(body: dict, limits: Limits, tokenizer: Any) -> GenRequest
     k = (top or 0) if want else None
     params = sampling_params({"max_tokens": max_param, "logprobs": "top_logprobs"}, logprobs=k, **sampling)
     return GenRequest("chat", model, ids, "", params, **flags,
-                      top_logprobs=k, tools=tool_spec, reasoning=reasoning)
+                      top_logprobs=k, tools=tool_spec, reasoning=reasoning,
+                      priority=f.int("priority", 0, bound=PRIORITY))
 
 
 def tool_constraint(sampling: dict[str, Any], spec: T.ToolSpec | None, other: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from jaxinfer.bounds import PRIORITY
 from jaxinfer.sampling_params import SamplingParams
 from serving import anthropic_request as AR
 from serving.fields import MAX_STOP, SEED_MAX, SEED_MIN
@@ -22,8 +25,21 @@ _SAMPLING = dict(
     model=_STR,
     cache_salt={**_STR, "minLength": 1, "maxLength": SamplingParams.MAX_CACHE_SALT_CHARS},
     watermark={"oneOf": [_BOOL, {"type": "object", "properties": {"gamma": _NUM, "delta": _NUM}}]},
+    priority=PRIORITY.schema(),
 )
 _EARLY = {"oneOf": [_BOOL, {"const": "never"}]}
+
+
+def _tokenizer_paths(post: Any, messages: dict) -> dict:
+    """vLLM's /tokenize and /detokenize (``post``: a path's description from its body;
+    ``messages``: the chat route's schema of them)."""
+    tokenize = {"type": "object", "properties": {
+        "model": _STR, "prompt": _STR, "messages": messages, "add_special_tokens": _BOOL,
+        "add_generation_prompt": _BOOL, "return_token_strs": _BOOL}}
+    detokenize = {"type": "object", "required": ["tokens"], "properties": {
+        "model": _STR, "tokens": {"type": "array", "items": {**_INT, "minimum": 0}}}}
+    return {"/tokenize": post("vLLM tokenize: a prompt or chat messages -> token ids", tokenize, stream=False),
+            "/detokenize": post("vLLM detokenize: token ids -> text", detokenize, stream=False)}
 
 
 def _anthropic(count: bool) -> dict:
@@ -119,6 +135,7 @@ def openapi_schema() -> dict:
             "/v1/messages": post("Anthropic Messages", _anthropic(False)),
             "/v1/messages/count_tokens": post("Anthropic Messages: count the prompt's tokens", _anthropic(True),
                                               stream=False),
+            **_tokenizer_paths(post, chat["properties"]["messages"]),
             "/info": get, "/health": {"get": {"responses": {"200": ok_json, "503": err}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
         },

@@ -35,6 +35,7 @@ class GenRequest:
     tools: Any = None              # serving.tools.ToolSpec: parse the reply for tool calls
     reasoning: Any = None          # serving.reasoning.ReasoningParser: split the thinking off the reply
     api: Any = None                # what one API's answer needs besides these (Responses: a ResponsesCall)
+    priority: int = 0              # vLLM's field: lower runs first (only under --scheduling-policy priority)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -75,11 +76,12 @@ def sampling_params(aliases: dict[str, str], **kw: Any) -> SamplingParams:
         raise bad(api, rest or msg) from None
 
 
-def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
-    """A prompt string -> token ids (special tokens added as the model expects), the one
-    place the HTTP routes tokenize plain text; errors name ``param``."""
+def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt string -> token ids (special tokens added as the model expects, unless
+    ``add_special_tokens`` is False), the one place the HTTP routes tokenize plain text;
+    errors name ``param``."""
     try:
-        ids = list(tokenizer.encode(text, add_special_tokens=True))
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as e:       # tokenizers reject odd input in their own ways
         raise bad(param, f"could not be tokenized: {e}") from None
     if not ids:

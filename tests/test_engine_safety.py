@@ -321,7 +321,8 @@ def test_tokens_queued_before_the_engine_died_reach_the_stream_first():
     from jaxinfer.outputs import CompletionOutput, RequestOutput
 
     idle = SimpleNamespace(tokenizer=None, model_name="m", max_model_len=64,
-                           config=SimpleNamespace(max_num_seqs=1), has_unfinished=lambda: False,
+                           config=SimpleNamespace(max_num_seqs=1, max_queue_delay_ms=None,
+                                                  scheduling_policy="fcfs"), has_unfinished=lambda: False,
                            add_request=lambda *a, **kw: None, abort=lambda rid: None,
                            encode_prompt=lambda p: (None, list(p)))
     aeng = AsyncEngine(idle)

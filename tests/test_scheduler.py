@@ -103,7 +103,7 @@ def engine_stops(sched: Scheduler, grew: list[Sequence], max_model_len: int | No
 
 
 def run_step_overlapped(sched: Scheduler, model: FakeModel, max_model_len: int,
-                        in_flight: list[tuple[SchedulerOutput, dict]]) -> None:
+                        in_flight: list[tuple[SchedulerOutput, dict]]) -> SchedulerOutput:
     """The overlapped loop's order (engine.py): schedule and commit step N+1 while step N
     is in flight, then resolve step N (its stops seen a step late)."""
     out = sched.schedule()
@@ -116,13 +116,14 @@ def run_step_overlapped(sched: Scheduler, model: FakeModel, max_model_len: int,
     while len(in_flight) > (1 if out.scheduled else 0):
         done, sampled = in_flight.pop(0)
         engine_stops(sched, sched.resolve(done, sampled), max_model_len)
+    return out
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=8, budget=64, max_model_len=256,
-         max_waiting=None, prefix_caching=False, cap=0, prefill_shapes=None):
+         max_waiting=None, prefix_caching=False, cap=0, prefill_shapes=None, policy="fcfs"):
     bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_num_seqs, budget, max_model_len, max_waiting, prefill_shapes=prefill_shapes,
-                     long_prefill_token_threshold=cap), FakeModel(bm)
+                     long_prefill_token_threshold=cap, policy=policy), FakeModel(bm)
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1,
@@ -201,8 +202,10 @@ def test_max_num_seqs_and_fcfs_order():
     assert_no_leak(sched)
 
 
-def test_priority_then_fcfs():
-    sched, model = make(max_num_seqs=1, budget=100)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_then_fcfs(policy):
+    """"priority": lower values first, arrival order within one; "fcfs" ignores priorities."""
+    sched, model = make(max_num_seqs=1, budget=100, policy=policy)
     add(sched, "late-low", 4, priority=5, t=0.0)
     add(sched, "hi-2", 4, priority=-1, t=2.0)
     add(sched, "hi-1", 4, priority=-1, t=1.0)
@@ -211,7 +214,62 @@ def test_priority_then_fcfs():
     while sched.has_unfinished():
         out = run_step(sched, model)
         order += [e.seq.request_id for e in out.scheduled if e.start_pos == 0]
-    assert order == ["hi-1", "hi-2", "mid", "late-low"]
+    want = ["hi-1", "hi-2", "mid", "late-low"] if policy == "priority" else ["late-low", "mid", "hi-1", "hi-2"]
+    assert order == want
+    assert sched.num_preemptions_total == 0      # one at a time, each ran to its end
+    assert_no_leak(sched)
+
+
+def test_unknown_policy_refused():
+    with pytest.raises(ValueError, match="policy"):
+        make(policy="lifo")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_priority_preempts_for_a_seat(overlap):
+    """"priority": every seat held by low-priority decodes, a high-priority request
+    arrives: the newest low one is preempted at once (not after it finishes), the high one
+    runs, and the victim resumes after it with exactly its tokens. "fcfs" would wait."""
+    sched, model = make(max_num_seqs=2, budget=100, policy="priority")
+    lows = [add(sched, f"low{i}", 6, max_tokens=12, priority=1, t=float(i))[0] for i in range(2)]
+    in_flight: list = []
+    step = (lambda: run_step_overlapped(sched, model, 256, in_flight)) if overlap else (lambda: run_step(sched, model))
+    for _ in range(3):
+        step()
+    hi = add(sched, "hi", 6, max_tokens=3, priority=0, t=9.0)[0]
+    out = step()                     # overlapped: scheduled while the step before is in flight
+    assert out.preempted == [lows[1]] and hi in [e.seq for e in out.scheduled]
+    assert lows[1] not in [e.seq for e in out.scheduled]
+    assert lows[1].num_preemptions == 1 and lows[0].num_preemptions == 0
+    finished = []
+    while sched.has_unfinished() or in_flight:
+        step()
+        finished += [s.request_id for s in lows + [hi] if s.is_finished and s.request_id not in finished]
+    assert finished.index("hi") < finished.index("low1")
+    assert_outputs_exact(lows + [hi])
+    assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("shapes", [None, ((1, 16),)])
+def test_priority_preempts_for_pages_not_for_equals(shapes):
+    """Pages short: the high-priority head preempts the lowest-priority running sequence
+    (not an equal one), and only as many as it needs. ``shapes``: one prefill slot per
+    step, which the retry after the preemption must still find free."""
+    sched, model = make(num_pages=9, page_size=4, max_num_seqs=8, budget=100, policy="priority",
+                        prefill_shapes=shapes)
+    a = add(sched, "a", 12, max_tokens=4, priority=2, t=0.0)[0]    # 3 pages + growth
+    b = add(sched, "b", 12, max_tokens=4, priority=1, t=1.0)[0]
+    while SequenceStatus.WAITING in (a.status, b.status):     # one prompt per step with one slot
+        run_step(sched, model)
+    hi = add(sched, "hi", 12, max_tokens=2, priority=0, t=2.0)[0]   # needs 4 pages: 8 usable, 6-7 held
+    eq = add(sched, "eq", 12, max_tokens=2, priority=1, t=3.0)[0]   # equal to b: never preempts it
+    out = run_step(sched, model)
+    assert [s.request_id for s in out.preempted] == ["a"]
+    assert hi in [e.seq for e in out.scheduled] and b.status is SequenceStatus.RUNNING
+    assert eq.status is SequenceStatus.WAITING and b.num_preemptions == 0
+    while sched.has_unfinished():
+        run_step(sched, model)
+    assert_outputs_exact([a, b, hi, eq])
     assert_no_leak(sched)
 
 
@@ -397,13 +455,15 @@ def test_postprocess_needs_sampled_tokens_and_rejects_replays():
         sched2.postprocess(out, sampled)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("cap", [0, 5])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_randomized_simulation(seed, prefix_caching, cap, overlap):
+def test_randomized_simulation(seed, prefix_caching, cap, overlap, policy):
     """``cap``: long_prefill_token_threshold (0: off); ``overlap``: the overlapped loop's
-    order (commit at dispatch, resolve a step later): every sequence still gets exactly its
+    order (commit at dispatch, resolve a step later); ``policy`` "priority": admission
+    preempts lower-priority running sequences: every sequence still gets exactly its
     tokens, none past its limit, and every page comes back."""
     rng = random.Random(seed)
     ps = rng.choice([2, 4, 8])
@@ -411,7 +471,8 @@ def test_randomized_simulation(seed, prefix_caching, cap, overlap):
     num_pages = rng.randrange(max_model_len // ps + 2, 3 * max_model_len // ps)
     sched, model = make(num_pages=num_pages, page_size=ps, max_num_seqs=rng.choice([2, 4, 8]),
                         budget=rng.choice([8, 16, 48]), max_model_len=max_model_len,
-                        max_waiting=rng.choice([None, 12]), prefix_caching=prefix_caching, cap=cap)
+                        max_waiting=rng.choice([None, 12]), prefix_caching=prefix_caching, cap=cap,
+                        policy=policy)
     shared_prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     all_seqs: list[Sequence] = []
     aborted: set[int] = set()
@@ -476,7 +537,7 @@ def check_refcounts(sched: Scheduler, seqs: list[Sequence]) -> None:
 def test_host_modules_never_import_jax():
     code = ("import sys\n"
             "import jaxinfer.engine.sequence, jaxinfer.engine.block_manager\n"
-            "import jaxinfer.engine.scheduler, jaxinfer.engine.detokenizer\n"
+            "import jaxinfer.engine.scheduler, jaxinfer.engine.detokenizer, jaxinfer.engine.admission\n"
             "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -12,6 +12,12 @@ off the engine thread; a request's grammar compiles in the engine's grammar thre
 yielded; errors found when the engine adds the request (too long, queue full) arrive the
 same way, through the request's queue.
 
+Admission control (engine/admission.py) runs on the caller's side too: ``generate``
+refuses a request whose predicted wait for its first token is over the bound
+(QueueFullError) before posting it, reading the prefill rate the engine thread measures
+around each step; a refused request never reaches the engine. A non-zero priority is
+checked against the scheduling policy there as well (ValueError under "fcfs").
+
 The engine hands out deltas (``Engine.step(deltas=True)``: only what is new, O(new) per
 step); each request's cumulative output is grown from them on the caller's side, where
 the API needs it, instead of copying every request's whole output every step.
@@ -22,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator, Callable
 
+from jaxinfer.engine.admission import Admission
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.errors import EngineDeadError, RequestFailedError, StepFailedError
@@ -67,6 +75,8 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs
+        self.admission = Admission(engine.config.max_queue_delay_ms, self.max_num_seqs,
+                                   engine.config.scheduling_policy)
         self._lock = threading.Lock()            # guards the inbox only; never held across a step
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple] = []            # ("add", id, ids, params, priority, lora, grammar) | ("abort", id)
@@ -99,8 +109,13 @@ class AsyncEngine:
     def _step(self) -> None:
         """One engine step, its outputs to their callers. A step that failed took only its
         own requests with it (Engine._step_failed): they get the error, the loop goes on."""
+        busy = self.admission.busy()
+        if busy:
+            t0, before = time.monotonic(), self.engine.output.prompt_tokens_total
         try:
             outs = self.engine.step(deltas=True)
+            if busy:        # how fast queued prompts drain (admission control's rate)
+                self.admission.observe(self.engine.output.prompt_tokens_total - before, time.monotonic() - t0)
         except StepFailedError as e:
             for rid in e.request_ids:
                 self._deliver(rid, RequestFailedError(f"the engine failed while running this request "
@@ -182,21 +197,29 @@ class AsyncEngine:
         A yielded output grows in place as later ones arrive (building a fresh copy per step
         is what made streaming quadratic): use it before asking for the next, or copy it.
         Closing the iterator early (client gone, task cancelled) aborts the request.
-        ``lora``: a loaded LoRA adapter's name (Engine.add_request)."""
+        ``lora``: a loaded LoRA adapter's name (Engine.add_request). Raises before
+        anything is yielded: ValueError (bad input, a priority the policy refuses) or
+        QueueFullError (admission control, or the waiting queue is full)."""
         loop = asyncio.get_running_loop()
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        posted = finished = False
+        posted = finished = finished_queueing = False
         acc = _Cumulative()
         try:
             text, ids = await self._encode(prompt)
+            if priority:
+                self.engine.check_priority(priority)
+            self.admission.enter(request_id, priority, len(ids))     # may refuse: QueueFullError
             grammar = await self._compile(params)
             self._post(("add", request_id, ids, params, priority, lora, grammar))
             posted = True
             while True:
                 item = await q.get()
+                if not finished_queueing:    # a first output (or error): no longer queued
+                    self.admission.leave(request_id)
+                    finished_queueing = True
                 out = None
                 while True:    # apply every delta that queued up, then yield once
                     if isinstance(item, BaseException):
@@ -215,6 +238,7 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self.admission.leave(request_id)
             if posted and not finished:
                 self._abort_now(request_id)
 
@@ -241,7 +265,7 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Any]:
         # Reads plain ints/floats; a slightly stale snapshot is fine for metrics.
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.admission.stats()}
 
     def warmup_status(self) -> dict[str, Any] | None:
         """The engine's bucket compilation progress (Engine.warmup_status), for /health."""

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
+from jaxinfer.bounds import PRIORITY
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -192,13 +193,16 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, lora: str | None = None,
                     grammar: Any = None) -> str:
         """Queue a request; raises ValueError (bad input, too long, unknown adapter) or
-        QueueFullError. ``lora``: the name of a loaded LoRA adapter to run it with.
+        QueueFullError. ``priority``: lower runs first under ``scheduling_policy="priority"``;
+        non-zero is refused under "fcfs" (``check_priority``). ``lora``: the name of a
+        loaded LoRA adapter to run it with.
         ``grammar``: ``params.guided`` already compiled (``self.grammars.compile``, as
         AsyncEngine does off the engine thread); without it this call compiles it, waiting
         at most the compile budget (GrammarCompiler.time_budget)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        self.check_priority(priority)
         self._check_for_model(params)
         text, ids = self.encode_prompt(prompt)
         if not ids:
@@ -237,6 +241,16 @@ class Engine:
             replica, constraints=constraints, beam=beam,
             prompt_logprobs=search.prompt_logprob_list(params, len(ids)))
         return request_id
+
+    def check_priority(self, priority: Any) -> None:
+        """A request's priority: an integer in int64 (vLLM's bound), and 0 unless the
+        engine runs the "priority" scheduling policy (vLLM refuses one under "fcfs")."""
+        if not PRIORITY.ok(priority.item() if isinstance(priority, np.integer) else priority):
+            raise ValueError(f"priority: must be {PRIORITY.text()}, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but this engine schedules first-come first-served "
+                             f"(scheduling_policy='fcfs'); only 'priority' serves request priorities "
+                             f"(`--scheduling-policy priority`)")
 
     def _check_for_model(self, p: SamplingParams) -> None:
         """The bounds SamplingParams cannot know: those of this model's vocabulary."""

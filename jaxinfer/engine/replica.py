@@ -73,6 +73,7 @@ def make_replica(config: Any, kv_spec: Any, ladders: Any, max_model_len: int, nu
                       num_host_pages=num_host_pages, record_freed=c.debug_poison_freed_pages)
     sched = Scheduler(bm, c.max_num_seqs, c.max_num_batched_tokens, max_model_len, c.max_waiting,
                       prefill_shapes=ladders.prefill_shapes, max_loras=c.max_loras if loras else None,
+                      policy=c.scheduling_policy,
                       long_prefill_token_threshold=long_prefill_threshold(c.long_prefill_token_threshold,
                                                                           c.max_num_batched_tokens))
     offload_layers: tuple[int, ...] = ()

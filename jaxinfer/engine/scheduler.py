@@ -26,6 +26,17 @@ itself, and calls ``finish``.
    allow; the first chunk may be partial. When the head of the queue does not fit,
    admission stops: later, smaller requests never overtake it, so nothing starves.
 
+Policies (``policy``, vLLM's ``--scheduling-policy``): "fcfs" orders both queues by
+arrival alone (a sequence's ``priority`` is ignored; the engine refuses a non-zero one,
+as vLLM does). "priority" orders them by (priority, arrival), lower values first, and
+admission may preempt: when the waiting head lacks a seat (``max_num_seqs``) or pages, the
+lowest-priority running sequence (newest first among equals) whose priority is strictly
+lower (a larger value) is preempted by recompute, as in step 1, one at a time until the
+head fits or no such sequence is left; a victim already scheduled this step is unscheduled
+(its tokens back to the budget) and is not admitted again in the same step. Beam searches
+(their seats are reserved for the whole search) and speculation branches are never
+victims. Equal priorities never preempt each other, so within a priority it is FCFS.
+
 Long prefills (``long_prefill_token_threshold``, vLLM's knob): while other work shares the
 engine (another running sequence, or a waiting one that has a seat), a prefill chunk
 (running or admitted) is cut to the threshold, so a 3,500-token prompt no longer takes the
@@ -86,7 +97,9 @@ from jaxinfer.engine.sequence import Sequence, SequenceStatus, next_seq_id
 # here; it lives in jaxinfer.errors so the server can catch it without importing us.
 from jaxinfer.errors import QueueFullError
 
-__all__ = ["QueueFullError", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
+__all__ = ["POLICIES", "QueueFullError", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
+POLICIES = ("fcfs", "priority")      # vLLM's --scheduling-policy values
 
 _RUNNING, _WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 _PREEMPTED, _FINISHED = SequenceStatus.PREEMPTED, SequenceStatus.FINISHED
@@ -142,6 +155,18 @@ class _PrefillSlots:
             self.used[i] += -(-n // c)
         return n
 
+    def give_back(self, n: int) -> None:
+        """Undo a ``take`` that returned ``n`` (its sequence was not scheduled after all)."""
+        if n <= 1 or self.shapes is None:
+            return
+        for i, (_, c) in enumerate(self.shapes):
+            self.used[i] -= -(-n // c)
+
+
+def _used(chosen: dict[int, ScheduledSeq]) -> int:
+    """The tokens a step's entries so far take from its budget."""
+    return sum(e.num_new_tokens for e in chosen.values())
+
 
 # Auto threshold: max_num_batched_tokens // this = 32 of the default 512, one slot of the
 # default prefill ladder. Measured (SmolLM2-135M, 2 CPU cores, `benchmarks/long_prefill.py
@@ -177,7 +202,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_waiting: int | None = None, *,
                  prefill_shapes: Seq[tuple[int, int]] | None = None, max_loras: int | None = None,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs") -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if not (isinstance(v, int) and v >= 1):
@@ -185,6 +210,8 @@ class Scheduler:
         v = long_prefill_token_threshold
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             raise ValueError(f"long_prefill_token_threshold: must be a non-negative integer, got {v!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
         if max_waiting is not None and not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ValueError(f"max_waiting: must be a positive integer or None, got {max_waiting!r}")
         self.bm = block_manager
@@ -192,6 +219,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        self.policy = policy
         # Bucket shapes for prefill chunks (see _PrefillSlots); default: no constraint.
         self.prefill_shapes = tuple(prefill_shapes) if prefill_shapes else None
         # The most tokens one prefill chunk gets while other work shares the step (0: no cap).
@@ -199,7 +227,8 @@ class Scheduler:
         # Multi-LoRA: at most this many distinct adapters (Sequence.lora_id != 0) run at
         # once, the device's adapter slots (None: no limit).
         self.max_loras = max_loras
-        # Both queues are kept sorted by _key: (priority, arrival_time, order of add).
+        # Both queues are kept sorted by _key: (priority, arrival_time, order of add);
+        # the priority is 0 for every sequence under "fcfs".
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}     # unfinished requests' sequences
@@ -255,7 +284,8 @@ class Scheduler:
                                  f"places taken, request {group[0].request_id!r} needs {len(group)})")
         self._requests[group[0].request_id] = group
         for seq in group:
-            self._keys[seq.seq_id] = (seq.priority, seq.arrival_time, self._num_added)
+            self._keys[seq.seq_id] = (seq.priority if self.policy == "priority" else 0,
+                                      seq.arrival_time, self._num_added)
             self._num_added += 1
             bisect.insort(self.waiting, seq, key=self._key)
 
@@ -386,7 +416,7 @@ class Scheduler:
                 budget -= num_new
 
         if not preempted:
-            budget = self._admit(budget, chosen, slots, cap)
+            budget = self._admit(budget, chosen, slots, cap, preempted)
 
         scheduled = list(chosen.values())
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
@@ -408,8 +438,8 @@ class Scheduler:
         """
         if max_steps < 2 or not self.running or len(self.running) > self.max_num_batched_tokens:
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None
+        if self.waiting and (len(self.running) < self.max_num_seqs or self._victim_for(self.waiting[0])):
+            return None                   # admission (or a priority preemption) is due
         k = max_steps
         for seq in self.running:
             if seq.num_new_tokens_needed != 1:
@@ -519,20 +549,26 @@ class Scheduler:
                 return self.long_prefill_cap
         return self.max_num_batched_tokens
 
-    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots, cap: int) -> int:
+    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots, cap: int,
+               preempted: list[Sequence]) -> int:
         i = 0
         seats = self._seats_taken()
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
-            if seats + self._seats_needed(seq) > self.max_num_seqs:
-                break                                 # FCFS: a beam search waits for its places
-            if seq.num_pending:     # preempted with a token in flight: it recomputes once that is here
+            if seq.num_pending or seq in preempted:
+                # preempted with a token in flight: it recomputes once that is here; or
+                # preempted by this very admission (no thrash within one step)
                 i += 1
                 continue
             prefix = None if self._lora_full(seq) else self._prefix_for(seq)
             if prefix is None:      # a sibling is computing our prompt pages, or no adapter slot
                 i += 1
                 continue
+            if seats + self._seats_needed(seq) > self.max_num_seqs:
+                if self._make_room(seq, chosen, slots, preempted):
+                    budget, seats = self.max_num_batched_tokens - _used(chosen), self._seats_taken()
+                    continue
+                break                                 # FCFS: a beam search waits for its places
             cached = len(prefix) * self.bm.page_size
             num_new = slots.take(min(seq.num_tokens - cached, budget, cap))
             if num_new == 0:
@@ -540,25 +576,60 @@ class Scheduler:
             target = cached + num_new
             self._check_len(seq, target)
             if not self.bm.allocate_for(seq, target, prefix_pages=prefix):
+                if self._make_room(seq, chosen, slots, preempted):
+                    slots.give_back(num_new)
+                    budget, seats = self.max_num_batched_tokens - _used(chosen), self._seats_taken()
+                    continue                          # again with the pages the victim left
                 break                                 # FCFS: nobody overtakes the head
             self.waiting.pop(i)
-            seq.status = _RUNNING
-            seq.num_computed_tokens = cached
-            seq.num_cached_tokens = cached
+            self._start(seq, cached, prefix)
             seats += self._seats_needed(seq)
-            if seq.params.beam_width > 1:
-                self._beam_seats[seq.request_id] = seq.params.beam_width
-            self.num_cached_tokens_total += cached
-            self.num_admitted_tokens_total += seq.num_tokens
-            if self.bm.enable_prefix_caching:
-                self.prefix_cache_queries_total += seq.num_tokens
-                self.prefix_cache_hits_total += cached
-                self.prefix_cache_host_hits_total += self.bm.page_size * sum(
-                    isinstance(p, HostPage) for p in prefix)
-            bisect.insort(self.running, seq, key=self._key)
             chosen[seq.seq_id] = ScheduledSeq(seq, cached, num_new, target == seq.num_tokens)
             budget -= num_new
         return budget
+
+    def _start(self, seq: Sequence, cached: int, prefix: list[int | HostPage]) -> None:
+        """``seq`` admitted (its pages allocated): running, counted, its beam seats reserved."""
+        seq.status = _RUNNING
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+        if seq.params.beam_width > 1:
+            self._beam_seats[seq.request_id] = seq.params.beam_width
+        self.num_cached_tokens_total += cached
+        self.num_admitted_tokens_total += seq.num_tokens
+        if self.bm.enable_prefix_caching:
+            self.prefix_cache_queries_total += seq.num_tokens
+            self.prefix_cache_hits_total += cached
+            self.prefix_cache_host_hits_total += self.bm.page_size * sum(
+                isinstance(p, HostPage) for p in prefix)
+        bisect.insort(self.running, seq, key=self._key)
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """"priority" policy: the running sequence to preempt so that waiting ``seq`` can
+        start: the last in running order (lowest priority, newest) of those that are not a
+        beam search's nor a speculation branch, if its priority is strictly lower than
+        ``seq``'s; else None (always None under "fcfs")."""
+        if self.policy != "priority":
+            return None
+        for victim in reversed(self.running):
+            if victim.params.beam_width > 1 or victim.seq_id in self._branches:
+                continue
+            return victim if self._key(victim)[0] > self._key(seq)[0] else None
+        return None
+
+    def _make_room(self, seq: Sequence, chosen: dict[int, ScheduledSeq], slots: _PrefillSlots,
+                   preempted: list[Sequence]) -> bool:
+        """Preempt one ``_victim_for(seq)``, unscheduled (its prefill slots given back) if
+        this step had it; False if there is none."""
+        victim = self._victim_for(seq)
+        if victim is None:
+            return False
+        undone = chosen.pop(victim.seq_id, None)
+        if undone is not None and not undone.draft:
+            slots.give_back(undone.num_new_tokens)
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
 
     def _lora_full(self, seq: Sequence) -> bool:
         """``seq`` needs an adapter that no running sequence uses while ``max_loras`` distinct

@@ -3,7 +3,8 @@ HTTP, the default model, with ``--max-queue-delay-ms`` (0: off, the old behaviou
 queued). The issue's floor: the refusals' p99 under 50 ms.
 
 Figures: how many were accepted / refused (503), the refusals' latency (p50 / p99 / max,
-ms, from the request's send to its 503), and the accepted requests' time to first token
+ms, from the request's send to its 503, as the client sees it, and from the server's
+first sight of the request to its 503 answer: ``refusal_ms_server_side``), and the accepted requests' time to first token
 and end-to-end latency (p50 / p99, s; streamed, so the first token's time is seen).
 
     python benchmarks/admission_burst.py [--requests 500] [--max-queue-delay-ms 2000]
@@ -63,6 +64,30 @@ def report(results: list[dict]) -> dict:
                                "p99": pct([r["latency"] for r in ok], 0.99)}}
 
 
+class ServerClock:
+    """ASGI wrapper: each request's seconds from the server's first sight of it (the ASGI
+    call) to its response's start, by status: the server's own share of a refusal's
+    latency, without the time a one-process Python client spends queueing its 500 sends."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.times = app, []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+
+        async def timed_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.times.append((message["status"], time.perf_counter() - t0))
+            await send(message)
+        await self.app(scope, receive, timed_send)
+
+    def refusal_ms(self) -> dict:
+        ms = [1000 * t for status, t in self.times if status == 503]
+        return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "max": max(ms, default=float("nan"))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=500)
@@ -80,11 +105,12 @@ def main() -> int:
     engine = Engine(max_num_seqs=args.max_num_seqs, max_queue_delay_ms=args.max_queue_delay_ms or None,
                     warmup="full", progress=False)
     aeng = AsyncEngine(engine)
-    with serve_app_in_thread(build_app(aeng)) as url:
+    clock = ServerClock(build_app(aeng))
+    with serve_app_in_thread(clock) as url:
         t0 = time.perf_counter()
         results = asyncio.run(burst(url, args.requests, args.max_tokens))
         wall = time.perf_counter() - t0
-    out = {"args": vars(args), "wall_s": wall, **report(results)}
+    out = {"args": vars(args), "wall_s": wall, **report(results), "refusal_ms_server_side": clock.refusal_ms()}
     print(json.dumps(out, indent=2))
     C.write_json(args.out, {"machine": C.machine(), **out})
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 from jaxinfer.sampling_params import SamplingParams
 from serving import tools as T
 from serving.errors import bad
-from serving.fields import Fields, Limits, short, type_name
+from serving.fields import Fields, Limits, objects, short, type_name
 from serving.reasoning import reasoning_parser
 from serving.request import (GenRequest, chat_prompt_ids, check_model, resolve_max_tokens,
                              sampling_params)
@@ -158,19 +158,8 @@ def _system(system: Any) -> list[dict]:
 
 def chat_messages(msgs: Any) -> list[dict]:
     """Anthropic ``messages`` -> chat-template messages (see the module docstring)."""
-    if msgs is None:
-        raise bad("messages", "is required")
-    if not isinstance(msgs, list):
-        raise bad("messages", f"must be an array of message objects, got {type_name(msgs)}")
-    if not msgs:
-        raise bad("messages", "must contain at least one message")
-    if len(msgs) > MAX_MESSAGES:
-        raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
     out: list[dict] = []
-    for i, m in enumerate(msgs):
-        name = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(name, f"must be an object, got {type_name(m)}")
+    for name, m in objects(msgs, "messages", MAX_MESSAGES, "a message object", required="message"):
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{name}.role", f"must be 'user' or 'assistant', got {short(role)}")
@@ -187,13 +176,8 @@ def chat_messages(msgs: Any) -> list[dict]:
 
 def _blocks(blocks: list, name: str) -> list[tuple[str, dict]]:
     """(field name, block) of each block, its type checked."""
-    if len(blocks) > MAX_BLOCKS:
-        raise bad(name, f"at most {MAX_BLOCKS} content blocks, got {len(blocks)}")
     out = []
-    for j, b in enumerate(blocks):
-        bname = f"{name}[{j}]"
-        if not isinstance(b, dict):
-            raise bad(bname, f"must be a content block object, got {type_name(b)}")
+    for bname, b in objects(blocks, name, MAX_BLOCKS, "a content block object"):
         kind = b.get("type")
         if kind in _THINKING_BLOCKS:
             continue
@@ -261,13 +245,8 @@ def _assistant(blocks: list[tuple[str, dict]], name: str) -> list[dict]:
 
 
 def _text_blocks(blocks: list, name: str) -> str:
-    if len(blocks) > MAX_BLOCKS:
-        raise bad(name, f"at most {MAX_BLOCKS} blocks, got {len(blocks)}")
     texts = []
-    for j, b in enumerate(blocks):
-        bname = f"{name}[{j}]"
-        if not isinstance(b, dict):
-            raise bad(bname, f"must be a text block object, got {type_name(b)}")
+    for bname, b in objects(blocks, name, MAX_BLOCKS, "a text block object"):
         if b.get("type") != "text":
             kind = b.get("type")
             what = _UNSUPPORTED.get(kind) if isinstance(kind, str) else None

@@ -51,6 +51,27 @@ def type_name(v: Any) -> str:
             dict: "object", type(None): "null"}.get(type(v), type(v).__name__)
 
 
+def objects(v: Any, name: str, limit: int, item: str = "an object", required: str | None = None
+            ) -> list[tuple[str, dict]]:
+    """A JSON array of at most ``limit`` objects -> (field name, object) of each ("messages[3]"),
+    for the routes' messages, blocks and parts. ``required``: the array may not be absent or
+    empty (the message says what it must contain); errors name the array or the item."""
+    if v is None and required:
+        raise bad(name, "is required")
+    if not isinstance(v, list):
+        raise bad(name, f"must be an array of {item.split(' ', 1)[-1]}s, got {type_name(v)}")
+    if not v and required:
+        raise bad(name, f"must contain at least one {required}")
+    if len(v) > limit:
+        raise bad(name, f"at most {limit} items, got {len(v)}")
+    out = []
+    for j, x in enumerate(v):
+        if not isinstance(x, dict):
+            raise bad(f"{name}[{j}]", f"must be {item}, got {type_name(x)}")
+        out.append((f"{name}[{j}]", x))
+    return out
+
+
 class Fields:
     """Typed reads from a JSON object; ``None`` (absent or null) means "use the default"."""
 

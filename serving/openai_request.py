@@ -9,7 +9,7 @@ from typing import Any
 from jaxinfer.bounds import PRIORITY
 from jaxinfer.sampling_params import SamplingParams
 from serving.errors import bad
-from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, check_token_ids,
+from serving.fields import (MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, Fields, check_token_ids, objects,
                             Limits, is_int, short, type_name)
 from serving import tools as T
 from serving.guided_protocol import openai_constraints
@@ -21,6 +21,7 @@ from serving.request import (GenRequest, chat_prompt_ids, check_model, decode_id
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_MESSAGES = 4096       # messages in one conversation (the body limit bounds them too)
 
 
 def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
@@ -163,17 +164,8 @@ def tool_constraint(sampling: dict[str, Any], spec: T.ToolSpec | None, other: st
 def openai_messages(msgs: Any) -> list[dict]:
     """Chat ``messages`` -> the chat template's ``{"role", "content"}`` messages (the
     Responses API's input items come here too, as chat messages)."""
-    if msgs is None:
-        raise bad("messages", "is required")
-    if not isinstance(msgs, list):
-        raise bad("messages", f"must be an array of message objects, got {type_name(msgs)}")
-    if not msgs:
-        raise bad("messages", "must contain at least one message")
     out = []
-    for i, m in enumerate(msgs):
-        name = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(name, f"must be an object, got {type_name(m)}")
+    for name, m in objects(msgs, "messages", MAX_MESSAGES, "a message object", required="message"):
         role = m.get("role")
         if not isinstance(role, str):
             raise bad(f"{name}.role", "is required and must be a string")

@@ -71,6 +71,61 @@ def _anthropic(count: bool) -> dict:
             "properties": props}
 
 
+def _completion_body() -> dict:
+    """/v1/completions' request body."""
+    completion = {"type": "object", "required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
+                                          {"type": "array", "items": {**_INT, "minimum": 0}}]},
+        "echo": _BOOL, "logprobs": _B["logprobs"], "prompt_logprobs": _B["prompt_logprobs"],
+        "best_of": _B["best_of"], "use_beam_search": _BOOL, "length_penalty": _B["length_penalty"], "early_stopping": _EARLY}}
+    return completion
+
+
+def _chat_body() -> dict:
+    """/v1/chat/completions' request body."""
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": _STR}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [_STR, {"type": "array", "items": part}, {"type": "null"}]}}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        **_SAMPLING, "messages": {"type": "array", "items": message, "minItems": 1},
+        "max_completion_tokens": _B["max_tokens"], "logprobs": _BOOL,
+        "top_logprobs": _B["logprobs"],
+        "add_generation_prompt": _BOOL}}
+    return chat
+
+
+def _tgi_body() -> dict:
+    """TGI /generate's request body."""
+    tgi = {"type": "object", "required": ["inputs"], "properties": {
+        "inputs": {**_STR, "minLength": 1},
+        "parameters": {"type": "object", "properties": dict(
+            max_new_tokens=_B["max_tokens"], temperature={**_NUM, "exclusiveMinimum": 0},
+            top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1}, top_k={**_INT, "minimum": 1},
+            repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
+            seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
+            return_full_text=_BOOL, top_n_tokens=_B["logprobs"], watermark=_BOOL, decoder_input_details=_BOOL,
+            num_beams=_B["beam_width"], length_penalty=_B["length_penalty"], early_stopping=_EARLY)}}}
+    return tgi
+
+
+def _responses_body() -> dict:
+    """/v1/responses' request body."""
+    item = {"type": "object", "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output"]},
+        "role": {"enum": ["user", "system", "developer", "assistant"]}, "content": {}, "call_id": _STR,
+        "name": _STR, "arguments": _STR, "output": {}}}
+    responses = {"type": "object", "required": ["input"], "properties": {
+        "model": _STR, "input": {"oneOf": [_STR, {"type": "array", "items": item, "minItems": 1}]},
+        "instructions": _STR, "previous_response_id": _STR, "temperature": _B["temperature"],
+        "top_p": _B["top_p"], "max_output_tokens": _B["max_tokens"], "stream": _BOOL, "store": _BOOL,
+        "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
+        "parallel_tool_calls": _BOOL, "text": {"type": "object"}, "metadata": {"type": "object"},
+        "user": _STR, "truncation": {"const": "disabled"}, "include": {"type": "array", "items": _STR}}}
+    return responses
+
+
 def openapi_schema() -> dict:
     """A hand-kept OpenAPI 3.1 description of the routes and their request bodies."""
     err = {"description": "error", "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -84,54 +139,20 @@ def openapi_schema() -> dict:
                          "responses": {"200": ok_sse if stream else ok_json, "400": err, "401": err,
                                        "413": err, "422": err, "503": err}}}
 
-    completion = {"type": "object", "required": ["prompt"], "properties": {
-        **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
-                                          {"type": "array", "items": {**_INT, "minimum": 0}}]},
-        "echo": _BOOL, "logprobs": _B["logprobs"], "prompt_logprobs": _B["prompt_logprobs"],
-        "best_of": _B["best_of"], "use_beam_search": _BOOL, "length_penalty": _B["length_penalty"], "early_stopping": _EARLY}}
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": _STR}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [_STR, {"type": "array", "items": part}, {"type": "null"}]}}}
-    chat = {"type": "object", "required": ["messages"], "properties": {
-        **_SAMPLING, "messages": {"type": "array", "items": message, "minItems": 1},
-        "max_completion_tokens": _B["max_tokens"], "logprobs": _BOOL,
-        "top_logprobs": _B["logprobs"],
-        "add_generation_prompt": _BOOL}}
-    tgi = {"type": "object", "required": ["inputs"], "properties": {
-        "inputs": {**_STR, "minLength": 1},
-        "parameters": {"type": "object", "properties": dict(
-            max_new_tokens=_B["max_tokens"], temperature={**_NUM, "exclusiveMinimum": 0},
-            top_p={**_NUM, "exclusiveMinimum": 0, "maximum": 1}, top_k={**_INT, "minimum": 1},
-            repetition_penalty={**_NUM, "exclusiveMinimum": 0}, frequency_penalty={**_NUM, "minimum": -2, "maximum": 2},
-            seed={**_INT, "minimum": 0}, stop={"type": "array", "items": _STR}, do_sample=_BOOL, details=_BOOL,
-            return_full_text=_BOOL, top_n_tokens=_B["logprobs"], watermark=_BOOL, decoder_input_details=_BOOL,
-            num_beams=_B["beam_width"], length_penalty=_B["length_penalty"], early_stopping=_EARLY)}}}
-    item = {"type": "object", "properties": {
-        "type": {"enum": ["message", "function_call", "function_call_output"]},
-        "role": {"enum": ["user", "system", "developer", "assistant"]}, "content": {}, "call_id": _STR,
-        "name": _STR, "arguments": _STR, "output": {}}}
-    responses = {"type": "object", "required": ["input"], "properties": {
-        "model": _STR, "input": {"oneOf": [_STR, {"type": "array", "items": item, "minItems": 1}]},
-        "instructions": _STR, "previous_response_id": _STR, "temperature": _B["temperature"],
-        "top_p": _B["top_p"], "max_output_tokens": _B["max_tokens"], "stream": _BOOL, "store": _BOOL,
-        "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
-        "parallel_tool_calls": _BOOL, "text": {"type": "object"}, "metadata": {"type": "object"},
-        "user": _STR, "truncation": {"const": "disabled"}, "include": {"type": "array", "items": _STR}}}
+    chat = _chat_body()
     get = {"get": {"responses": {"200": ok_json}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxinfer", "version": "0.1.0",
                  "description": "OpenAI-, TGI- and Anthropic-compatible LLM serving on JAX"},
         "paths": {
-            "/v1/completions": post("OpenAI text completion", completion),
+            "/v1/completions": post("OpenAI text completion", _completion_body()),
             "/v1/chat/completions": post("OpenAI chat completion", chat),
-            "/v1/responses": post("OpenAI Responses API", responses),
+            "/v1/responses": post("OpenAI Responses API", _responses_body()),
             "/v1/responses/{response_id}": {**get, "delete": {"responses": {"200": ok_json, "404": err}}},
             "/v1/models": get, "/v1/models/{model}": get,
-            "/generate": post("TGI generate", tgi, stream=False),
-            "/generate_stream": post("TGI generate, streamed", tgi),
+            "/generate": post("TGI generate", _tgi_body(), stream=False),
+            "/generate_stream": post("TGI generate, streamed", _tgi_body()),
             "/v1/messages": post("Anthropic Messages", _anthropic(False)),
             "/v1/messages/count_tokens": post("Anthropic Messages: count the prompt's tokens", _anthropic(True),
                                               stream=False),

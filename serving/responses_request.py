@@ -28,6 +28,7 @@ from serving.errors import ProtocolError, bad
 from serving.fields import Fields, Limits, short, type_name
 from serving.guided_protocol import format_constraint
 from serving.openai_request import openai_messages, tool_constraint
+from serving.reasoning import reasoning_parser
 from serving.request import GenRequest, chat_prompt_ids, check_model, resolve_max_tokens, sampling_params
 from serving.responses_store import ResponseStore
 
@@ -95,9 +96,10 @@ def parse_responses_request(body: dict, limits: Limits, tokenizer: Any, store: R
                 previous_response_id=prev_id, store=keep, temperature=temperature, top_p=top_p,
                 max_output_tokens=max_out, text={"format": fmt or {"type": "text"}}, truncation="disabled",
                 tool_choice=body.get("tool_choice") or "auto", tools=_tools_echo(body.get("tools")),
-                user=_user(f), reasoning=None, service_tier="default", top_logprobs=0)
+                user=_user(f), reasoning=_reasoning(f), service_tier="default", top_logprobs=0)
     call = ResponsesCall("resp_" + uuid.uuid4().hex, echo, tuple(conversation), keep, parallel)
-    return GenRequest("responses", model, ids, "", params, stream=stream, tools=spec, api=call)
+    return GenRequest("responses", model, ids, "", params, stream=stream, tools=spec, api=call,
+                      reasoning=reasoning_parser(limits.reasoning_parser))
 
 
 def parse_tools(body: dict) -> T.ToolSpec | None:
@@ -135,7 +137,7 @@ def parse_tools(body: dict) -> T.ToolSpec | None:
 def _reject_unsupported(f: Fields) -> None:
     for key, why in (("background", "background responses"), ("conversation", "stored conversations "
                      "(use previous_response_id)"), ("prompt", "prompt templates"),
-                     ("reasoning", "reasoning options"), ("max_tool_calls", "a cap on tool calls")):
+                     ("max_tool_calls", "a cap on tool calls")):
         f.reject_if_set(key, why)
     f.reject_if_set("top_logprobs", "logprobs on /v1/responses", allowed=(0,))
     f.reject_if_set("truncation", "truncation (only 'disabled')", allowed=("disabled",))
@@ -301,6 +303,21 @@ def _text_format(f: Fields) -> dict | None:
     if fmt is not None and fmt.get("name") is not None and not isinstance(fmt["name"], str):
         raise bad("text.format.name", f"must be a string, got {type_name(fmt['name'])}")
     return fmt
+
+
+def _reasoning(f: Fields) -> dict | None:
+    """``reasoning``: checked and echoed, otherwise ignored (as vLLM does for a model that
+    is not gpt-oss): the model thinks as its template and ``--reasoning-parser`` say."""
+    r = f.obj("reasoning")
+    if r is None:
+        return None
+    g = Fields(r, "reasoning.")
+    effort, summary = g.str("effort"), g.str("summary")
+    if effort not in (None, "minimal", "low", "medium", "high"):
+        raise bad("reasoning.effort", f"must be 'minimal', 'low', 'medium' or 'high', got {short(effort, 40)}")
+    if summary not in (None, "auto", "concise", "detailed"):
+        raise bad("reasoning.summary", f"must be 'auto', 'concise' or 'detailed', got {short(summary, 40)}")
+    return {"effort": effort, "summary": summary}
 
 
 def _metadata(f: Fields) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """The Responses API's answers: the response object, its output items, its stream of
 events, and the ``Dialect`` that puts them on the one generation path (serving/app.py).
 
-Output items come from the model's text in one function, ``output_items``: a ``message``
-(its text outside any tool calls) and one ``function_call`` item per call. With tools and
+Output items come from the model's text in one function, ``output_items``: with
+``--reasoning-parser`` first a ``reasoning`` item (serving/reasoning.py's split; streamed,
+its text goes out as the parser decides it), then a ``message`` (the text outside any
+tool calls) and one ``function_call`` item per call. With tools and
 ``tool_choice: auto`` the text streams up to where a ``<tool_call>`` tag begins (as the chat
 route's does); from there, and for required / named choices from the start, it is held
 until the answer ends, then parsed. The streamed answer's items and the non-streamed
@@ -41,10 +43,28 @@ def split_reply(text: str, spec: ToolSpec | None, parallel: bool = True) -> tupl
     return now + (rest or ""), calls if parallel else calls[:1]
 
 
+def reasoning_id(req: GenRequest) -> str:
+    return "rs_" + req.request_id
+
+
+def reasoning_item(req: GenRequest, thought: str, status: str = "completed") -> dict:
+    return {"id": reasoning_id(req), "type": "reasoning", "summary": [],
+            "content": [_reasoning_part(thought)], "status": status}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def output_items(req: GenRequest, text: str, status: str) -> list[dict]:
-    """The response's output items from the model's text (the one place they are built)."""
-    content, calls = split_reply(text, req.tools, req.api.parallel_tool_calls)
+    """The response's output items from the model's text (the one place they are built):
+    the thinking split off first (``--reasoning-parser``), then message and calls."""
     items = []
+    if req.reasoning is not None:
+        thought, text = req.reasoning.split(text)
+        if thought is not None:
+            items.append(reasoning_item(req, thought))
+    content, calls = split_reply(text, req.tools, req.api.parallel_tool_calls)
     if content or not calls:
         items.append({"id": message_id(req), "type": "message", "role": "assistant",
                       "status": "incomplete" if status == "incomplete" else "completed",
@@ -117,6 +137,11 @@ class ResponsesStream:
         self.req, self.store = req, store
         self.seq, self.sent, self.opened, self.started = 0, 0, False, False
         self.held = ""      # with tools: text that may turn out to be a call (hold_tool_text)
+        self.read = 0       # the model's text read so far (thinking and content)
+        self.thinking = req.reasoning.stream() if req.reasoning is not None else None
+        self.thought = ""   # the reasoning item's text streamed so far
+        self.msg_index = 0  # the message's output_index: 1 once a reasoning item went before it
+        self.thinking_open = False
 
     def _ev(self, kind: str, **fields: object) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **fields}
@@ -135,20 +160,50 @@ class ResponsesStream:
         self.opened = True
         item = {"id": message_id(self.req), "type": "message", "role": "assistant", "status": "in_progress",
                 "content": []}
-        return [self._ev("response.output_item.added", output_index=0, item=item),
-                self._ev("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+        i = self.msg_index
+        return [self._ev("response.output_item.added", output_index=i, item=item),
+                self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
                          part=_text_part(""))]
 
     def _delta(self, delta: str) -> list[bytes]:
         chunks = [] if self.opened else self._open()
         self.sent += len(delta)
-        return chunks + [self._ev("response.output_text.delta", item_id=message_id(self.req), output_index=0,
-                                  content_index=0, delta=delta, logprobs=[])]
+        return chunks + [self._ev("response.output_text.delta", item_id=message_id(self.req),
+                                  output_index=self.msg_index, content_index=0, delta=delta, logprobs=[])]
+
+    def _think(self, new: str, last: bool) -> tuple[list[bytes], str]:
+        """New model text -> (the reasoning item's events, the content's text): the parser's
+        split; the reasoning item closes as soon as content (or the end) comes."""
+        if self.thinking is None:
+            return [], new
+        thought, content = self.thinking.feed(new)
+        if last:
+            more_thought, more = self.thinking.finish()
+            thought, content = thought + more_thought, content + more
+        chunks = []
+        ids = dict(item_id=reasoning_id(self.req), output_index=0, content_index=0)
+        if thought:
+            if not self.thinking_open:
+                self.thinking_open, self.msg_index = True, 1
+                chunks += [self._ev("response.output_item.added", output_index=0,
+                                    item={**reasoning_item(self.req, "", "in_progress"), "content": []}),
+                           self._ev("response.content_part.added", **ids, part=_reasoning_part(""))]
+            self.thought += thought
+            chunks.append(self._ev("response.reasoning_text.delta", **ids, delta=thought))
+        if (content or last) and self.thinking_open:
+            self.thinking_open = False
+            item = reasoning_item(self.req, self.thought)
+            chunks += [self._ev("response.reasoning_text.done", **ids, text=self.thought),
+                       self._ev("response.content_part.done", **ids, part=item["content"][0]),
+                       self._ev("response.output_item.done", output_index=0, item=item)]
+        return chunks, content
 
     def events(self, out: RequestOutput) -> Iterable[bytes]:
         chunks = self._begin()
         text = out.outputs[0].text
-        new = text[self.sent + len(self.held):]
+        more, new = self._think(text[self.read:], False)
+        self.read = len(text)
+        chunks += more
         if self.req.tools is not None:
             new, self.held = hold_tool_text(self.held, new, self.req.tools)
         if new:
@@ -159,9 +214,15 @@ class ResponsesStream:
         chunks = self._begin()
         if final_status(last) == "failed":
             return chunks + list(self.failure("the request was aborted by the server (shutting down?)", "aborted"))
-        output = output_items(self.req, last.outputs[0].text, final_status(last))
+        text = last.outputs[0].text
+        chunks += self._think(text[self.read:], True)[0]     # the content's rest: _message_done sends it
+        self.read = len(text)
+        output = output_items(self.req, text, final_status(last))
         for index, item in enumerate(output):
-            chunks += self._message_done(item) if item["type"] == "message" else self._call_events(index, item)
+            if item["type"] == "message":
+                chunks += self._message_done(item)
+            elif item["type"] == "function_call":
+                chunks += self._call_events(index, item)
         resp = finish(self.req, last, self.store, output)
         kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
         return chunks + [self._ev(kind, response=resp)]
@@ -172,10 +233,10 @@ class ResponsesStream:
         chunks = self._delta(text[self.sent:]) if len(text) > self.sent else []
         if not self.opened:
             chunks += self._open()
-        ids = dict(item_id=item["id"], output_index=0, content_index=0)
+        ids = dict(item_id=item["id"], output_index=self.msg_index, content_index=0)
         return chunks + [self._ev("response.output_text.done", **ids, text=text, logprobs=[]),
                          self._ev("response.content_part.done", **ids, part=item["content"][0]),
-                         self._ev("response.output_item.done", output_index=0, item=item)]
+                         self._ev("response.output_item.done", output_index=self.msg_index, item=item)]
 
     def _call_events(self, index: int, item: dict) -> list[bytes]:
         ids = dict(item_id=item["id"], output_index=index)

@@ -368,3 +368,101 @@ def test_anthropic_stream_of_any_cut_is_the_whole_reply():
         assert blocks == want, (seed, text, blocks, want)
         assert re.fullmatch(r"((thinking_delta )*thinking_delta signature_delta ?)?.*", kinds), kinds
         assert "thinking_delta" not in kinds.split("signature_delta")[-1], kinds
+
+
+# ------------------------------------------------------------------ Responses API
+
+def _sse(servers, url: str, body: dict) -> list[dict]:
+    with servers.http.stream("POST", url + "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def _no_ids(items: list[dict]) -> list[dict]:
+    """Items less their per-request ids (a call's ``call_id`` is drawn fresh each parse)."""
+    return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
+
+
+def _joined(events: list[dict], kind: str) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == kind)
+
+
+def test_responses_reasoning_item_is_the_split_streamed_and_not(servers):
+    """No guided fields on this route, so the tiny model writes no tags: the parsers read it
+    all as thinking (the template opened the block). The oracle: the parser's split (held
+    to vLLM's above) of the no-parser server's reply."""
+    import openai
+
+    from tests.test_responses_api import check_event_order
+
+    body = {"model": "tiny-random-llama", "input": "Think, then answer.", "temperature": 0,
+            "max_output_tokens": 16, "reasoning": {"effort": "low", "summary": "auto"}}
+    plain = openai.OpenAI(base_url=servers.plain + "/v1", api_key="x").responses.create(**body)
+    assert [i.type for i in plain.output] == ["message"]
+    for name in ("deepseek_r1", "qwen3"):
+        thought, content = reasoning_parser(name).split(plain.output_text)
+        assert thought, plain.output_text
+        client = openai.OpenAI(base_url=getattr(servers, name) + "/v1", api_key="x")
+        resp = client.responses.create(**body)
+        assert resp.reasoning.effort == "low"
+        assert [i.type for i in resp.output] == ["reasoning", "message"]
+        assert resp.output[0].content[0].text == thought and resp.output_text == content
+        events = _sse(servers, getattr(servers, name), body)
+        check_event_order(events)
+        assert _joined(events, "response.reasoning_text.delta") == thought
+        assert _joined(events, "response.output_text.delta") == content
+        raw = servers.http.post(getattr(servers, name) + "/v1/responses", json=body).json()["output"]
+        assert _no_ids(events[-1]["response"]["output"]) == _no_ids(raw)
+        streamed = list(client.responses.create(**body, stream=True))     # the client's event types
+        deltas = "".join(e.delta for e in streamed if e.type == "response.reasoning_text.delta")
+        got = streamed[-1].response
+        assert deltas == got.output[0].content[0].text == thought and got.output_text == content
+
+
+@pytest.mark.parametrize("bad_reasoning, param", [
+    ("high", "reasoning"), ({"effort": "max"}, "reasoning.effort"), ({"summary": 3}, "reasoning.summary")])
+def test_responses_bad_reasoning_is_a_400_naming_the_field(servers, bad_reasoning, param):
+    r = servers.http.post(servers.qwen3 + "/v1/responses",
+                          json={"model": "tiny-random-llama", "input": "hi", "reasoning": bad_reasoning})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_responses_stream_of_any_cut_is_the_whole_reply():
+    """Thinking, then text or a tool call, cut at random: the streamed items, read back by
+    the documented events, are the response's, reasoning first (unit: over outputs)."""
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
+    from jaxinfer.sampling_params import SamplingParams
+    from serving.request import GenRequest
+    from serving.responses_request import ResponsesCall
+    from serving.responses_response import ResponsesStream, output_items
+    from serving.responses_store import ResponseStore
+    from serving.tools import ToolSpec
+    from tests.test_responses_api import check_event_order
+
+    spec = ToolSpec(({"name": "get_weather", "description": "", "parameters": {}},), "auto")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    texts = ["<think>hm, rain?</think>Take a coat.", "<think>hm</think>" + call, "still thinking </thi",
+             "no end tag at all", "<think>a</think>", "</think>only an answer", "<think>x</think>a " + call]
+    rng = random.Random(11)
+    for seed in range(200):
+        text, name = texts[seed % len(texts)], ("deepseek_r1", "qwen3")[seed % 2]
+        api = ResponsesCall("resp_x", {}, (), False, True)
+        req = GenRequest("responses", "m", [1, 2], "", SamplingParams(), stream=True, tools=spec, api=api,
+                         reasoning=reasoning_parser(name))
+        out = lambda n, fin: RequestOutput("r", None, [1, 2], [CompletionOutput(0, text[:n], list(range(n)), fin, None)],
+                                           finished=fin is not None)
+        s, chunks, n = ResponsesStream(req, ResponseStore()), [], 0
+        while n < len(text):
+            n = min(len(text), n + rng.randint(1, 6))
+            chunks += s.events(out(n, None))
+        chunks += s.end(out(len(text), "stop"))
+        events = [json.loads(c.decode().split("data: ", 1)[1]) for c in chunks]
+        check_event_order(events)
+        want = output_items(req, text, "completed")
+        assert _no_ids(events[-1]["response"]["output"]) == _no_ids(want)
+        items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert _no_ids(items) == _no_ids(want) and items[0]["id"] == want[0]["id"], (seed, text)
+        thought = _joined(events, "response.reasoning_text.delta")
+        assert thought == (want[0]["content"][0]["text"] if want[0]["type"] == "reasoning" else ""), (seed, text)
+        msg = [i for i in want if i["type"] == "message"]
+        assert _joined(events, "response.output_text.delta") == (msg[0]["content"][0]["text"] if msg else "")

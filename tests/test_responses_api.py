@@ -133,7 +133,8 @@ def raw_events(server, body: dict) -> list[tuple[str, dict]]:
 def check_event_order(events: list[dict]) -> None:
     """OpenAI's documented order: created, in_progress, then per output item: added,
     (content_part.added, output_text.delta*, output_text.done, content_part.done) for a
-    message or (function_call_arguments.delta*, .done) for a call, done; then the end."""
+    message, the same with reasoning_text for a reasoning item (first), or
+    (function_call_arguments.delta*, .done) for a call, done; then the end."""
     types = [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert types[:2] == ["response.created", "response.in_progress"], types
@@ -144,11 +145,19 @@ def check_event_order(events: list[dict]) -> None:
         assert types[i] == "response.output_item.added" and events[i]["output_index"] == index, types
         item = events[i]["item"]
         i += 1
-        if item["type"] == "message":
+        if item["type"] == "reasoning":      # --reasoning-parser: the thinking, before all else
+            assert index == 0 and types[i] == "response.content_part.added", types
+            i += 1
+            while types[i] == "response.reasoning_text.delta":
+                assert events[i]["item_id"] == item["id"] and events[i]["output_index"] == index
+                i += 1
+            assert types[i:i + 2] == ["response.reasoning_text.done", "response.content_part.done"], types
+            i += 2
+        elif item["type"] == "message":
             assert types[i] == "response.content_part.added"
             i += 1
             while types[i] == "response.output_text.delta":
-                assert events[i]["item_id"] == item["id"]
+                assert events[i]["item_id"] == item["id"] and events[i]["output_index"] == index
                 i += 1
             assert types[i:i + 2] == ["response.output_text.done", "response.content_part.done"], types
             i += 2

@@ -117,10 +117,7 @@ def parse_tools(body: dict) -> T.ToolSpec | None:
         return None
     T.check_tool_list(tools)
     fns = []
-    for i, t in enumerate(tools):
-        name = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad(name, f"must be an object, got {type_name(t)}")
+    for name, t in objects(tools, "tools", T.MAX_TOOLS, "a tool object"):
         if t.get("type") not in (None, "custom"):
             raise bad(f"{name}.type", f"server tools ({short(t.get('type'))}) are not supported; "
                       "only client tools with name, description and input_schema", code="unsupported")

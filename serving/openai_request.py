@@ -22,6 +22,7 @@ from serving.request import (GenRequest, chat_prompt_ids, check_model, decode_id
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 4096       # messages in one conversation (the body limit bounds them too)
+MAX_PARTS = 512           # content parts in one message
 
 
 def _common_sampling(f: Fields, limits: Limits) -> dict[str, Any]:
@@ -189,10 +190,7 @@ def openai_messages(msgs: Any) -> list[dict]:
 
 def _content_parts(parts: list, name: str) -> str:
     texts = []
-    for j, part in enumerate(parts):
-        pname = f"{name}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(pname, f"must be an object, got {type_name(part)}")
+    for pname, part in objects(parts, name, MAX_PARTS, "a content part object"):
         if part.get("type") != "text":
             raise bad(f"{pname}.type", f"only 'text' content parts are supported, got {short(part.get('type'))}",
                       code="unsupported")

@@ -25,7 +25,7 @@ from typing import Any
 from jaxinfer.sampling_params import SamplingParams
 from serving import tools as T
 from serving.errors import ProtocolError, bad
-from serving.fields import Fields, Limits, short, type_name
+from serving.fields import Fields, Limits, objects, short, type_name
 from serving.guided_protocol import format_constraint
 from serving.openai_request import openai_messages, tool_constraint
 from serving.reasoning import reasoning_parser
@@ -113,10 +113,7 @@ def parse_tools(body: dict) -> T.ToolSpec | None:
         return None
     T.check_tool_list(tools)
     fns = []
-    for i, t in enumerate(tools):
-        name = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad(name, f"must be a tool object, got {type_name(t)}")
+    for name, t in objects(tools, "tools", T.MAX_TOOLS, "a tool object"):
         if t.get("type") != "function":
             raise bad(f"{name}.type", f"only 'function' tools are supported, got {short(t.get('type'), 40)}",
                       code="unsupported")
@@ -229,13 +226,8 @@ def _message(x: dict, name: str) -> dict:
 def _parts(parts: Any, name: str) -> list[dict]:
     if not isinstance(parts, list):
         raise bad(name, f"must be a string or an array of content parts, got {type_name(parts)}")
-    if len(parts) > MAX_PARTS:
-        raise bad(name, f"at most {MAX_PARTS} content parts, got {len(parts)}")
     out = []
-    for j, p in enumerate(parts):
-        pname = f"{name}[{j}]"
-        if not isinstance(p, dict):
-            raise bad(pname, f"must be an object, got {type_name(p)}")
+    for pname, p in objects(parts, name, MAX_PARTS, "a content part object"):
         kind = p.get("type")
         if kind in MEDIA_PARTS:
             raise bad(f"{pname}.type", f"{kind!r} content is not supported yet (text only)", code="unsupported")

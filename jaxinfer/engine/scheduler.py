@@ -582,8 +582,8 @@ class Scheduler:
                     continue                          # again with the pages the victim left
                 break                                 # FCFS: nobody overtakes the head
             self.waiting.pop(i)
+            seats += self._seats_needed(seq)      # before _start reserves a beam's seats
             self._start(seq, cached, prefix)
-            seats += self._seats_needed(seq)
             chosen[seq.seq_id] = ScheduledSeq(seq, cached, num_new, target == seq.num_tokens)
             budget -= num_new
         return budget

@@ -19,13 +19,13 @@ from jaxinfer.sampling_params import SamplingParams
 from serving import tools as T
 from serving.errors import bad
 from serving.fields import Fields, Limits, objects, short, type_name
+from serving.fields import MAX_TEXT_CHARS, text as checked_text  # noqa: F401 - MAX_TEXT_CHARS: openapi.py reads it here
 from serving.reasoning import reasoning_parser
 from serving.request import (GenRequest, chat_prompt_ids, check_model, resolve_max_tokens,
                              sampling_params)
 
 MAX_MESSAGES = 4096
 MAX_BLOCKS = 512               # content blocks per message, in system, in one tool_result
-MAX_TEXT_CHARS = 1 << 20       # one text block or string content
 MAX_ID_CHARS = 256             # tool_use ids, metadata.user_id
 ROLES = ("user", "assistant")
 _UNSUPPORTED = {"image": "image input", "document": "document input", "search_result": "search results",
@@ -146,7 +146,7 @@ def _system(system: Any) -> list[dict]:
     if system is None:
         return []
     if isinstance(system, str):
-        return [{"role": "system", "content": _text(system, "system")}] if system else []
+        return [{"role": "system", "content": checked_text(system, "system")}] if system else []
     if not isinstance(system, list):
         raise bad("system", f"must be a string or an array of text blocks, got {type_name(system)}")
     text = _text_blocks(system, "system")
@@ -162,7 +162,7 @@ def chat_messages(msgs: Any) -> list[dict]:
             raise bad(f"{name}.role", f"must be 'user' or 'assistant', got {short(role)}")
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": _text(content, f"{name}.content")})
+            out.append({"role": role, "content": checked_text(content, f"{name}.content")})
         elif isinstance(content, list):
             out.extend((_assistant if role == "assistant" else _user)(_blocks(content, f"{name}.content"),
                                                                      f"{name}.content"))
@@ -196,7 +196,7 @@ def _user(blocks: list[tuple[str, dict]], name: str) -> list[dict]:
         if b["type"] == "tool_use":
             raise bad(f"{bname}.type", "tool_use blocks belong in assistant messages")
         if b["type"] == "text":
-            texts.append(_text(b.get("text"), f"{bname}.text"))
+            texts.append(checked_text(b.get("text"), f"{bname}.text"))
             continue
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
@@ -215,7 +215,7 @@ def _tool_result(b: dict, name: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _text(content, f"{name}.content")
+        return checked_text(content, f"{name}.content")
     if not isinstance(content, list):
         raise bad(f"{name}.content", f"must be a string or an array of text blocks, got {type_name(content)}")
     return _text_blocks(content, f"{name}.content")
@@ -228,7 +228,7 @@ def _assistant(blocks: list[tuple[str, dict]], name: str) -> list[dict]:
         if b["type"] == "tool_result":
             raise bad(f"{bname}.type", "tool_result blocks belong in user messages")
         if b["type"] == "text":
-            texts.append(_text(b.get("text"), f"{bname}.text"))
+            texts.append(checked_text(b.get("text"), f"{bname}.text"))
             continue
         f = Fields(b, f"{bname}.")
         _id(f, "id")
@@ -249,16 +249,8 @@ def _text_blocks(blocks: list, name: str) -> str:
             what = _UNSUPPORTED.get(kind) if isinstance(kind, str) else None
             raise bad(f"{bname}.type", f"{what} ({kind!r}) is not supported yet" if what else
                       f"only 'text' blocks are allowed here, got {short(kind)}", code="unsupported")
-        texts.append(_text(b.get("text"), f"{bname}.text"))
+        texts.append(checked_text(b.get("text"), f"{bname}.text"))
     return "\n".join(texts)
-
-
-def _text(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise bad(name, f"must be a string, got {type_name(v)}")
-    if len(v) > MAX_TEXT_CHARS:
-        raise bad(name, f"must be at most {MAX_TEXT_CHARS} characters, got {len(v)}")
-    return v
 
 
 def _id(f: Fields, key: str) -> str:

@@ -51,6 +51,18 @@ def type_name(v: Any) -> str:
             dict: "object", type(None): "null"}.get(type(v), type(v).__name__)
 
 
+MAX_TEXT_CHARS = 1 << 20      # one text block, part or string content of a chat-like route
+
+
+def text(v: Any, name: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """A string field of at most ``limit`` characters; errors name the field."""
+    if not isinstance(v, str):
+        raise bad(name, f"must be a string, got {type_name(v)}")
+    if len(v) > limit:
+        raise bad(name, f"must be at most {limit} characters, got {len(v)}")
+    return v
+
+
 def objects(v: Any, name: str, limit: int, item: str = "an object", required: str | None = None
             ) -> list[tuple[str, dict]]:
     """A JSON array of at most ``limit`` objects -> (field name, object) of each ("messages[3]"),

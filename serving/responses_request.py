@@ -26,6 +26,7 @@ from jaxinfer.sampling_params import SamplingParams
 from serving import tools as T
 from serving.errors import ProtocolError, bad
 from serving.fields import Fields, Limits, objects, short, type_name
+from serving.fields import text as checked_text
 from serving.guided_protocol import format_constraint
 from serving.openai_request import openai_messages, tool_constraint
 from serving.reasoning import reasoning_parser
@@ -35,7 +36,6 @@ from serving.responses_store import ResponseStore
 MAX_INPUT_ITEMS = 1024
 MAX_CONVERSATION_ITEMS = 4096
 MAX_PARTS = 64
-MAX_TEXT_CHARS = 1 << 20
 MAX_ID_CHARS = 128
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 MAX_USER_CHARS = 256
@@ -163,17 +163,9 @@ def _previous(prev_id: str | None, store: ResponseStore) -> list[dict]:
     return list(entry.conversation)
 
 
-def _check_text(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise bad(name, f"must be a string, got {type_name(v)}")
-    if len(v) > MAX_TEXT_CHARS:
-        raise bad(name, f"at most {MAX_TEXT_CHARS} characters, got {len(v)}")
-    return v
-
-
 def _text_field(f: Fields, key: str) -> str | None:
     v = f.get(key)
-    return None if v is None else _check_text(v, f.name(key))
+    return None if v is None else checked_text(v, f.name(key))
 
 
 def input_items(v: Any) -> list[dict]:
@@ -181,7 +173,7 @@ def input_items(v: Any) -> list[dict]:
     if v is None:
         raise bad("input", "is required")
     if isinstance(v, str):
-        return [{"type": "message", "role": "user", "content": _check_text(v, "input")}]
+        return [{"type": "message", "role": "user", "content": checked_text(v, "input")}]
     if not isinstance(v, list):
         raise bad("input", f"must be a string or an array of input items, got {type_name(v)}")
     if not v:
@@ -202,7 +194,7 @@ def _item(x: Any, name: str) -> dict:
                 "arguments": _arguments(x, name)}
     if kind == "function_call_output":
         out = x.get("output")
-        text = _check_text(out, f"{name}.output") if isinstance(out, str) or out is None \
+        text = checked_text(out, f"{name}.output") if isinstance(out, str) or out is None \
             else _parts(out, f"{name}.output")
         return {"type": "function_call_output", "call_id": _call_id(x, name), "output": text}
     if kind is None:
@@ -217,7 +209,7 @@ def _message(x: dict, name: str) -> dict:
         raise bad(f"{name}.role", f"must be one of {', '.join(ROLES)}, got {short(role, 40)}")
     content = x.get("content")
     if isinstance(content, str):
-        content = _check_text(content, f"{name}.content")
+        content = checked_text(content, f"{name}.content")
     else:
         content = _parts(content, f"{name}.content")
     return {"type": "message", "role": role, "content": content}
@@ -233,7 +225,7 @@ def _parts(parts: Any, name: str) -> list[dict]:
             raise bad(f"{pname}.type", f"{kind!r} content is not supported yet (text only)", code="unsupported")
         if kind not in TEXT_PARTS:
             raise bad(f"{pname}.type", f"must be one of {', '.join(TEXT_PARTS)}, got {short(kind, 40)}")
-        out.append({"type": kind, "text": _check_text(p.get("text"), f"{pname}.text")})
+        out.append({"type": kind, "text": checked_text(p.get("text"), f"{pname}.text")})
     return out
 
 
@@ -252,7 +244,7 @@ def _function_name(x: dict, name: str) -> str:
 
 
 def _arguments(x: dict, name: str) -> str:
-    v = _check_text(x.get("arguments"), f"{name}.arguments")
+    v = checked_text(x.get("arguments"), f"{name}.arguments")
     try:
         ok = isinstance(json.loads(v), dict)
     except ValueError:
